@@ -1,0 +1,157 @@
+"""The host side of an operator call: numpy views in, the user's method, checked numpy out.
+
+One `HostCall` object is what XLA calls back into. It owns everything per call that is
+not JAX: contiguous row-major arrays for user code, the per-row loop or single batched
+call, checks of what user code returns, and failure handling under MPI.
+"""
+
+import sys
+import threading
+import traceback
+
+import numpy as np
+
+from ._errors import OperatorError
+
+# The exception raised inside the last failing callback, so that `Problem` can re-raise
+# it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
+_last_error = None
+_error_lock = threading.Lock()
+
+
+def take_error():
+    """**Returns:** the exception raised by the last failing callback (once), or None."""
+    global _last_error
+    with _error_lock:
+        err, _last_error = _last_error, None
+    return err
+
+
+class HostCall:
+    """One operator method as called from a compiled program.
+
+    **Arguments:**
+    - `op`: the `DistributedOperator`.
+    - `phase`: `"forward"` or `"vjp"`.
+    - `comm`: the private communicator handed to user code.
+    - `n_cotangents`: how many leading arguments are cotangents (vjp only).
+    - `arg_specs`: the unbatched `jax.ShapeDtypeStruct` of every argument.
+    - `result_specs`: the unbatched spec of every result the program receives.
+    - `result_picks`: for vjp, which entries of the user's returned tuple are results
+      (integer inputs have no cotangent); None keeps all.
+    - `levels`: per argument, one bool per batch level (outermost first): whether the
+      argument carries that batch axis.
+    - `batch_shape`: the size of every batch level (outermost first).
+    - `ordered`: whether the call is ordered (and so may communicate).
+    """
+
+    def __init__(self, op, phase, comm, n_cotangents, arg_specs, result_specs,
+                 result_picks, levels, batch_shape, ordered):
+        self.op = op
+        self.phase = phase
+        self.comm = comm
+        self.n_cotangents = n_cotangents
+        self.arg_specs = arg_specs
+        self.result_specs = result_specs
+        self.result_picks = result_picks
+        self.levels = levels
+        self.batch_shape = batch_shape
+        self.ordered = ordered
+        self.method = getattr(op, phase)
+        self.batched = bool(getattr(op, "batched_" + phase, False))
+        self.n_user_results = (len(arg_specs) - n_cotangents if phase == "vjp"
+                               else len(result_specs))
+
+    # -- what XLA calls -------------------------------------------------------------
+    def __call__(self, *args):
+        try:
+            if not self.batch_shape:
+                return self._check(self._invoke(args), ())
+            if self.batched:
+                return self._call_batched(args)
+            return self._call_rows(args)
+        except BaseException as err:  # noqa: BLE001 - every failure must be reported
+            self._fail(err)
+
+    # -- helpers --------------------------------------------------------------------
+    def _invoke(self, args):
+        args = [np.asarray(a, order="C") for a in args]
+        if self.phase == "vjp":
+            k = self.n_cotangents
+            ct = tuple(args[:k]) if k > 1 else args[0]
+            return self.method(self.comm, ct, *args[k:])
+        return self.method(self.comm, *args)
+
+    def _call_rows(self, args):
+        outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]
+        for idx in np.ndindex(*self.batch_shape):
+            row = [a[tuple(i for i, on in zip(idx, lv) if on)]
+                   for a, lv in zip(args, self.levels)]
+            for out, r in zip(outs, self._check(self._invoke(row), (), idx)):
+                out[idx] = r
+        return tuple(outs)
+
+    def _call_batched(self, args):
+        n = int(np.prod(self.batch_shape))
+        full = []
+        for a, lv, spec in zip(args, self.levels, self.arg_specs):
+            a = np.asarray(a)
+            if not all(lv):
+                a = a.reshape(tuple(b if on else 1 for b, on in zip(self.batch_shape, lv))
+                              + spec.shape)
+                a = np.broadcast_to(a, self.batch_shape + spec.shape)
+            full.append(a.reshape((n,) + spec.shape))
+        results = self._check(self._invoke(full), (n,))
+        return tuple(r.reshape(self.batch_shape + s.shape)
+                     for r, s in zip(results, self.result_specs))
+
+    def _check(self, result, batch, row=None):
+        where = "" if row is None else f" (batch row {row})"
+        what = "input cotangent" if self.phase == "vjp" else "output"
+        n = self.n_user_results
+        if n == 1 and not isinstance(result, (tuple, list)):
+            result = (result,)
+        if not isinstance(result, (tuple, list)) or len(result) != n:
+            got = (f"a {type(result).__name__} of length {len(result)}"
+                   if isinstance(result, (tuple, list)) else type(result).__name__)
+            raise OperatorError(self._say(
+                f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
+                + ("input" if self.phase == "vjp" else "output")))
+        if self.result_picks is not None:
+            result = [result[i] for i in self.result_picks]
+        checked = []
+        for k, (r, spec) in enumerate(zip(result, self.result_specs)):
+            if r is None:
+                raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
+                                              "return zeros for a zero cotangent"))
+            r = np.asarray(r)
+            shape = batch + spec.shape
+            if r.shape != shape or r.dtype != spec.dtype:
+                raise OperatorError(self._say(
+                    f"returned {what} {k}{where} with shape {r.shape} and dtype "
+                    f"{r.dtype}; expected shape {shape} and dtype {np.dtype(spec.dtype)}"
+                    + (" (a leading batch axis, as batched_" + self.phase + " = True)"
+                       if batch else "")))
+            checked.append(r)
+        return tuple(checked)
+
+    def _say(self, text):
+        rank = self.comm.Get_rank() if self.comm is not None else 0
+        return f"{type(self.op).__name__}.{self.phase} on rank {rank}: {text}"
+
+    def _fail(self, err):
+        global _last_error
+        if not isinstance(err, OperatorError):
+            err = OperatorError(self._say(f"raised {type(err).__name__}: {err}"))
+            err.__cause__ = sys.exc_info()[1]
+        size = self.comm.Get_size() if self.comm is not None else 1
+        if size > 1:
+            # The other ranks may already wait in a collective (this operator's or a later
+            # one) and cannot be told: report where we stand and end the job, never hang.
+            sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}"
+                             f"distop: aborting all {size} ranks.\n")
+            sys.stderr.flush()
+            self.comm.Abort(1)
+        with _error_lock:
+            _last_error = err
+        raise err

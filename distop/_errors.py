@@ -1,0 +1,24 @@
+"""Exception types raised by distop."""
+
+
+class DistopError(Exception):
+    """Base class of every error distop raises on purpose."""
+
+
+class OperatorError(DistopError, RuntimeError):
+    """A user operator failed or returned something unexpected.
+
+    The message names the operator, the phase (`forward`, `vjp`, `jvp`), the rank and
+    what was expected.
+    """
+
+
+class ScheduleMismatchError(DistopError, RuntimeError):
+    """Ranks compiled different collective schedules for the same entry point.
+
+    Raised on every rank, with the first differing schedule entry of each rank.
+    """
+
+
+class MPIUnavailableError(DistopError, ImportError):
+    """mpi4py cannot load an MPI library, but MPI was needed."""

@@ -1,0 +1,140 @@
+"""The collective schedule of a compiled program, its fingerprint, and cross-rank checks.
+
+The schedule is read off the traced program itself (every host callback in program
+order, including those inside loops and branches), so it is exactly what will run.
+"""
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from ._callback import HostCall
+from ._errors import ScheduleMismatchError
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEntry:
+    """One operator call of a compiled program, in program order.
+
+    Fields: `index`, `operator` (class name), `phase` (`forward`/`vjp`), `collectives`
+    (declared for that phase), `input_shapes`, `output_shapes`, `input_dtypes`,
+    `output_dtypes` (unbatched), `batch` (batch sizes, outermost first; () if not
+    batched), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`).
+    """
+
+    index: int
+    operator: str
+    phase: str
+    collectives: tuple[str, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    batch: tuple[int, ...]
+    ordered: bool
+    context: str
+
+    def describe(self):
+        """**Returns:** a one-line, rank-independent description (no index)."""
+        ins = ", ".join(f"{d}{list(s)}" for s, d in zip(self.input_shapes, self.input_dtypes))
+        outs = ", ".join(f"{d}{list(s)}" for s, d in zip(self.output_shapes, self.output_dtypes))
+        return (f"{self.operator}.{self.phase} collectives={list(self.collectives)} "
+                f"in=({ins}) out=({outs}) batch={list(self.batch)} "
+                f"{'ordered' if self.ordered else 'unordered'}"
+                + (f" in {self.context}" if self.context else ""))
+
+
+def extract(closed_jaxpr):
+    """The schedule of a traced program.
+
+    **Arguments:**
+    - `closed_jaxpr`: the program, as from `jax.make_jaxpr` or `jit(...).trace(...).jaxpr`.
+
+    **Returns:** a tuple of `ScheduleEntry`, in program order.
+    """
+    entries = []
+    _walk(closed_jaxpr, "", entries)
+    return tuple(dataclasses.replace(e, index=i) for i, e in enumerate(entries))
+
+
+def _walk(jaxpr, context, entries):
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        call = getattr(eqn.params.get("callback"), "callback_func", None)
+        if isinstance(call, HostCall):
+            entries.append(_entry(call, context))
+            continue
+        name = eqn.primitive.name
+        if name == "scan":
+            inner = f"scan[{eqn.params['length']}]"
+        elif name == "while":
+            inner = "while"
+        elif name == "cond":
+            inner = "cond"
+        else:
+            inner = ""
+        sub = f"{context}/{inner}" if context and inner else (inner or context)
+        for key, value in eqn.params.items():
+            for k, j in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                if hasattr(getattr(j, "jaxpr", j), "eqns"):
+                    where = f"{sub}.branch{k}" if name == "cond" else sub
+                    _walk(j, where, entries)
+
+
+def _entry(call, context):
+    op = call.op
+    inputs = call.arg_specs[call.n_cotangents:] if call.phase == "vjp" else call.arg_specs
+    return ScheduleEntry(
+        index=0,
+        operator=type(op).__name__,
+        phase=call.phase,
+        collectives=tuple(getattr(op, call.phase + "_collectives", ())),
+        input_shapes=tuple(tuple(s.shape) for s in inputs),
+        output_shapes=tuple(tuple(s.shape) for s in call.result_specs),
+        input_dtypes=tuple(str(np.dtype(s.dtype)) for s in inputs),
+        output_dtypes=tuple(str(np.dtype(s.dtype)) for s in call.result_specs),
+        batch=tuple(call.batch_shape),
+        ordered=call.ordered,
+        context=context,
+    )
+
+
+def fingerprint(name, entries):
+    """**Returns:** a 63-bit integer that identifies the schedule `entries` of `name`."""
+    text = "\n".join([name] + [e.describe() for e in entries])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def verify(comm, name, entries):
+    """Check that every rank compiled the same schedule; raise on every rank if not.
+
+    **Arguments:**
+    - `comm`: the problem's communicator.
+    - `name`: the entry point, e.g. `"run"` or `"compute_totals"`.
+    - `entries`: this rank's schedule.
+
+    **Raises:** `ScheduleMismatchError` on every rank, naming the first differing entry
+    of each rank.
+    """
+    from ._comm import all_equal
+
+    if comm.Get_size() == 1 or all_equal(comm, fingerprint(name, entries)):
+        return
+    every = comm.allgather([e.describe() for e in entries])
+    lines = [f"{name}: the ranks compiled different collective schedules, so their "
+             "collectives would meet the wrong partners."]
+    reference = every[0]
+    for rank, mine in enumerate(every):
+        diff = next((i for i in range(max(len(mine), len(reference)))
+                     if i >= len(mine) or i >= len(reference) or mine[i] != reference[i]),
+                    None)
+        if diff is None:
+            lines.append(f"  rank {rank}: {len(mine)} entries, same as rank 0")
+        else:
+            here = mine[diff] if diff < len(mine) else "(no entry: schedule ends)"
+            lines.append(f"  rank {rank}: {len(mine)} entries; entry {diff}: {here}")
+    lines.append("Likely cause: model code that branches on the rank (Python `if` on "
+                 "comm.rank), or inputs whose shapes differ between ranks without being "
+                 "declared distributed. Every rank must build the same program.")
+    raise ScheduleMismatchError("\n".join(lines))

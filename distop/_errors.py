@@ -13,6 +13,10 @@ class OperatorError(DistopError, RuntimeError):
     """
 
 
+class MissingMethodError(OperatorError, NotImplementedError):
+    """An operator lacks a method the requested computation needs (e.g. `vjp`)."""
+
+
 class ScheduleMismatchError(DistopError, RuntimeError):
     """Ranks compiled different collective schedules for the same entry point.
 

@@ -18,7 +18,7 @@ from jax.experimental import io_callback
 
 from . import _comm
 from ._callback import HostCall
-from ._errors import OperatorError
+from ._errors import MissingMethodError, OperatorError
 
 
 class DistributedOperator(eqx.Module):
@@ -61,8 +61,8 @@ class DistributedOperator(eqx.Module):
 
         **Returns:** a numpy array, or a tuple of them for several outputs.
         """
-        raise OperatorError(f"{type(self).__name__} does not implement "
-                            "forward(self, comm, *inputs), which every operator needs.")
+        raise MissingMethodError(f"{type(self).__name__} does not implement "
+                                 "forward(self, comm, *inputs), which every operator needs.")
 
     def vjp(self, comm, cotangent, *inputs):
         """Pull an output cotangent back to the inputs on this rank.
@@ -74,8 +74,8 @@ class DistributedOperator(eqx.Module):
 
         **Returns:** the input cotangent, or a tuple with one per input.
         """
-        raise OperatorError(f"{type(self).__name__} does not implement "
-                            "vjp(self, comm, cotangent, *inputs), which reverse mode "
+        raise MissingMethodError(f"{type(self).__name__} does not implement "
+                                 "vjp(self, comm, cotangent, *inputs), which reverse mode "
                             "(grad, vjp, jacrev, compute_totals) needs.")
 
     def output_spec(self, *input_specs):
@@ -105,6 +105,14 @@ class DistributedOperator(eqx.Module):
     def __call__(self, *inputs):
         return apply(self, inputs)
 
+    # An operator is an identity, not a value: fields such as numpy arrays and sparse
+    # matrices are unhashable, and `jax.jit(op)` needs a hashable function.
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
 
 def apply(op, inputs):
     """Call `op` on JAX values through ordered host callbacks (see the module docstring).
@@ -117,7 +125,7 @@ def apply(op, inputs):
     """
     name = type(op).__name__
     if type(op).forward is DistributedOperator.forward:
-        raise OperatorError(f"{name} does not implement forward(self, comm, *inputs), "
+        raise MissingMethodError(f"{name} does not implement forward(self, comm, *inputs), "
                             "which every operator needs.")
     arrays = []
     for k, x in enumerate(inputs):
@@ -150,7 +158,7 @@ def apply(op, inputs):
 
     def call_bwd(xs, cts):
         if type(op).vjp is DistributedOperator.vjp:
-            raise OperatorError(f"{name} does not implement vjp(self, comm, cotangent, "
+            raise MissingMethodError(f"{name} does not implement vjp(self, comm, cotangent, "
                                 "*inputs), which reverse mode (grad, vjp, jacrev, "
                                 "compute_totals) needs.")
         backward = _host_function(op, "vjp", comm, len(out_specs), out_specs + in_specs,

@@ -10,7 +10,7 @@ from jax import lax
 from . import _comm, _schedule
 from ._callback import take_error
 from ._compat import JaxRuntimeError, x64_enabled
-from ._errors import DistopError
+from ._errors import DistopError, MissingMethodError
 
 MODES = ("batched", "loop", "unrolled")
 
@@ -26,7 +26,8 @@ class Problem:
       uses a private duplicate for its own agreement and checks.
 
     Attributes: `schedule` (the operator calls of the `compute_totals` program, in
-    program order: forward, then vjp), `input_names`, `output_names`.
+    program order: forward, then vjp; only forward if an operator has no `vjp`),
+    `input_names`, `output_names`.
     """
 
     def __init__(self, model, inputs, *, comm=None):
@@ -42,13 +43,13 @@ class Problem:
                        for name, value in inputs.items()}
         self.input_names = tuple(self._point)
         self._programs = {}
-        specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._point.items()}
-        out = self._agree("Problem(...) tracing the model",
-                          lambda: jax.eval_shape(self._call_model, specs))
-        self.output_names = tuple(out)
-        self._output_specs = dict(out)
-        self._schedule = self._compiled(
-            "compute_totals", ("batched", self._differentiable_outputs()))[1]
+        self._output_specs_by_shapes = {}
+        self.output_names = tuple(self._output_specs())
+        try:
+            self._schedule = self._compiled(
+                "compute_totals", ("batched", self._differentiable_outputs()))[1]
+        except MissingMethodError:  # an operator without vjp: the model can still run
+            self._schedule = self._compiled("run", ())[1]
 
     # -- public entry points --------------------------------------------------------
     @property
@@ -74,7 +75,7 @@ class Problem:
                 raise ValueError(f"run({name}=...): no input named '{name}'; inputs are "
                                  f"{list(self.input_names)}.")
             point[name] = _as_input(f"run({name}=...)", value)
-        program, _ = self._compiled("run", (), point)
+        program, _, _ = self._compiled("run", (), point)
         outs = self._execute(program, point)
         self._point = point
         return outs
@@ -98,18 +99,29 @@ class Problem:
             raise ValueError(f"compute_totals(mode={mode!r}): expected one of {list(MODES)}.")
         if not of or not wrt:
             return {}
-        program, _ = self._compiled("compute_totals", (mode, of))
-        cts = self._execute(program, self._point)
+        program, _, seeds = self._compiled("compute_totals", (mode, of))
+        cts = self._execute(program, self._point, *seeds)
         totals = {}
         row = 0
         for o in of:
-            n = int(np.prod(self._output_specs[o].shape))
+            n = int(np.prod(self._output_specs()[o].shape))
             for w in wrt:
                 totals[o, w] = np.asarray(cts[w][row:row + n]).reshape(n, self._point[w].size)
             row += n
         return totals
 
     # -- programs -------------------------------------------------------------------
+    def _output_specs(self, point=None):
+        """The output shapes and dtypes at `point`'s input shapes (traced once per shapes)."""
+        point = self._point if point is None else point
+        key = tuple((k, v.shape, str(v.dtype)) for k, v in point.items())
+        specs = self._output_specs_by_shapes.get(key)
+        if specs is None:
+            inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
+            specs = self._output_specs_by_shapes[key] = dict(self._agree(
+                "tracing the model", lambda: jax.eval_shape(self._call_model, inputs)))
+        return specs
+
     def _call_model(self, point):
         out = self.model(**point)
         if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
@@ -121,14 +133,13 @@ class Problem:
         if name == "run":
             return self._call_model
         mode, of = options
-        return lambda point: self._totals(point, mode, of)
+        return lambda point, seeds: self._totals(point, seeds, mode)
 
-    def _totals(self, point, mode, of):
+    def _totals(self, point, seeds, mode):
         diff_names = self._differentiable_inputs()
         diff = {k: point[k] for k in diff_names}
         rest = {k: v for k, v in point.items() if k not in diff}
         _, pullback = jax.vjp(lambda d: self._call_model({**rest, **d}), diff)
-        seeds = self._seeds(of)
         if mode == "batched":
             (cts,) = jax.vmap(pullback)(seeds)
         elif mode == "loop":
@@ -141,19 +152,20 @@ class Problem:
 
     def _seeds(self, of):
         """One unit cotangent per row of the requested outputs; zeros for the others, so
-        every operator's VJP runs whatever `of` asks for."""
-        sizes = {o: int(np.prod(self._output_specs[o].shape)) for o in of}
+        every operator's VJP runs whatever `of` asks for. They are program arguments, not
+        constants: XLA would spend long constant-folding them in unrolled programs."""
+        sizes = {o: int(np.prod(self._output_specs()[o].shape)) for o in of}
+        offsets = dict(zip(of, np.cumsum([0] + [sizes[o] for o in of])))
         total = sum(sizes.values())
-        seeds, offset = {}, 0
-        for name, spec in self._output_specs.items():
-            if not jnp.issubdtype(spec.dtype, jnp.inexact):
+        seeds = {}
+        for name, spec in self._output_specs().items():
+            if not np.issubdtype(spec.dtype, np.inexact):
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
-            elif name in sizes:
-                eye = jnp.eye(total, sizes[name], k=-offset, dtype=spec.dtype)
-                seeds[name] = eye.reshape((total,) + spec.shape)
-                offset += sizes[name]
-            else:
-                seeds[name] = jnp.zeros((total,) + spec.shape, spec.dtype)
+                continue
+            seed = np.zeros((total, int(np.prod(spec.shape))), spec.dtype)
+            if name in sizes:
+                seed[offsets[name]:offsets[name] + sizes[name]] = np.eye(sizes[name])
+            seeds[name] = seed.reshape((total,) + spec.shape)
         return seeds
 
     def _compiled(self, name, options, point=None):
@@ -171,16 +183,18 @@ class Problem:
         found = self._programs.get(signature)
         if found is None:
             fn = jax.jit(self._build(name, options))
+            extra = (self._seeds(options[1]),) if name == "compute_totals" else ()
             specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
-            traced = self._agree(f"{name}: tracing the program", lambda: fn.trace(specs))
+            traced = self._agree(f"{name}: tracing the program",
+                                 lambda: fn.trace(specs, *extra))
             entries = _schedule.extract(traced.jaxpr)
             _schedule.verify(self.comm, name, entries)
-            found = self._programs[signature] = (fn, entries)
+            found = self._programs[signature] = (fn, entries, extra)
         return found
 
-    def _execute(self, program, point):
+    def _execute(self, program, point, *extra):
         try:
-            out = program(point)
+            out = program(point, *extra)
             return {k: np.asarray(v) for k, v in out.items()}
         except JaxRuntimeError as err:
             cause = take_error()
@@ -208,7 +222,7 @@ class Problem:
         return tuple(k for k, v in self._point.items() if np.issubdtype(v.dtype, np.inexact))
 
     def _differentiable_outputs(self):
-        return tuple(k for k, s in self._output_specs.items()
+        return tuple(k for k, s in self._output_specs().items()
                      if jnp.issubdtype(s.dtype, jnp.inexact))
 
     def _names(self, arg, names, known, differentiable):

@@ -1,0 +1,136 @@
+"""Shared test operators and the MPI launcher used by the tests."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import distop
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+
+
+# -- operators ------------------------------------------------------------------------
+class RankSum(distop.DistributedOperator):
+    """s = sum over ranks of x_r (x rank-local, s replicated); its VJP hands every rank
+    the full output cotangent."""
+
+    forward_collectives = ("Allreduce",)
+    batched_vjp = True
+
+    def forward(self, comm, x):
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    def vjp(self, comm, s_bar, x):
+        return s_bar.copy()
+
+
+class ScaledSum(distop.DistributedOperator):
+    """Two inputs, two outputs: (sum_r c_r * a, sum_r c_r * b * t) with a 0-d t, where
+    c_r = rank + 1 is this rank's weight. Replicated in, replicated out."""
+
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+
+    def output_spec(self, a, b, t):
+        return a, b
+
+    def _weights(self, comm):
+        return float(comm.Get_size() * (comm.Get_size() + 1) // 2)
+
+    def forward(self, comm, a, b, t):
+        assert t.ndim == 0 and a.flags.c_contiguous and b.flags.c_contiguous
+        c = np.array(comm.Get_rank() + 1.0)
+        total = np.empty(())
+        comm.Allreduce(c, total, op=MPI.SUM)
+        return total * a, total * b * t
+
+    def vjp(self, comm, cts, a, b, t):
+        a_bar, b_bar = cts
+        c = np.array(comm.Get_rank() + 1.0)
+        total = np.empty(())
+        comm.Allreduce(c, total, op=MPI.SUM)
+        return total * a_bar, total * b_bar * t, np.array(total * np.sum(b_bar * b))
+
+
+class Cube(distop.DistributedOperator):
+    """A purely local operator: y = x**3 (no collectives)."""
+
+    def forward(self, comm, x):
+        return x ** 3
+
+    def vjp(self, comm, y_bar, x):
+        return 3 * x ** 2 * y_bar
+
+
+# -- launching MPI jobs ---------------------------------------------------------------
+def mpiexec():
+    """**Returns:** the `mpiexec` beside this Python (the mpich wheel's), else on PATH."""
+    here = pathlib.Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found: pip install 'distop[mpich]'")
+    return found
+
+
+def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
+    """Run `script` under `mpiexec -n nprocs` with a watchdog.
+
+    mpi-pytest launches one job per test, and every launch pays seconds of JAX start-up
+    on each rank; this launcher runs a script that groups many cases per launch instead.
+    A hung job is killed (its whole process group) after `timeout` seconds and the test
+    fails with what every rank printed.
+
+    **Arguments:**
+    - `nprocs`: number of ranks.
+    - `script`: path of the Python script.
+    - `args`: its command-line arguments.
+    - `timeout`: the watchdog, in seconds.
+    - `expect_ok`: if True, assert exit code 0 and that every rank printed its
+      `rank R of N: ok` line (so every rank's own exit is checked, not only mpiexec's).
+    - `env`: extra environment variables.
+
+    **Returns:** `(returncode, output)` with stdout and stderr merged.
+    """
+    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                       PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    environment.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=environment, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"watchdog: {' '.join(cmd)} still running after {timeout} s; "
+                             f"killed. Output of every rank:\n{output}") from None
+    if expect_ok:
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output}"
+        for r in range(nprocs):
+            assert f"rank {r} of {nprocs}: ok" in output, (
+                f"rank {r} did not report success:\n{output}")
+    return proc.returncode, output
+
+
+def finish(comm=None):
+    """Print this rank's success line (checked by `run_mpi`)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    print(f"rank {comm.rank} of {comm.size}: ok", flush=True)
+
+
+def all_close_everywhere(comm, a, b, rtol=1e-12, atol=0.0):
+    """Assert on every rank that `a` and `b` agree; **Returns:** the max relative error."""
+    a, b = np.asarray(a), np.asarray(b)
+    err = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-300), initial=0.0))
+    ok = np.allclose(a, b, rtol=rtol, atol=atol)
+    assert ok, f"rank {comm.rank}: max relative error {err:.1e}"
+    return err

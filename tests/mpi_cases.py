@@ -1,0 +1,212 @@
+"""Cases run under `mpiexec -n P python tests/mpi_cases.py GROUP` by tests/test_mpi.py.
+
+Many cases per launch: each launch pays JAX's start-up on every rank. Any failure
+aborts the whole job (so no rank waits forever) and the test sees a non-zero exit code.
+"""
+
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from mpi4py import MPI
+
+import distop
+
+jax.config.update("jax_enable_x64", True)
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples"))
+
+import distributed_matvec as dm  # noqa: E402
+from helpers import Cube, RankSum, ScaledSum, all_close_everywhere, finish  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.rank, comm.size
+CASES = {}
+
+
+def case(group):
+    def register(fn):
+        CASES.setdefault(group, []).append(fn)
+        return fn
+    return register
+
+
+# -- the matvec scenario --------------------------------------------------------------
+def matvec_scenario(objectives, variants, modes):
+    for k in objectives:
+        a_local, a_global, x0, w = dm.setup(60, k, comm)
+        for variant in variants:
+            problem = distop.Problem(dm.build(a_local, w, variant), {"x": x0})
+            for mode in modes:
+                err = comm.allreduce(dm.errors(problem, a_global, x0, w, mode, calls=3),
+                                     op=MPI.MAX)
+                assert err <= 1e-12, f"K={k} {variant} {mode}: error {err:.1e}"
+
+
+@case("matvec")
+def matvec_batched_and_loop():
+    matvec_scenario((1, 9, 10, 16, 32), ("reverse", "forward"), ("batched", "loop"))
+
+
+@case("matvec")
+def matvec_unrolled():
+    matvec_scenario((1, 9, 10, 16, 32), ("reverse",), ("unrolled",))
+    matvec_scenario((1, 9, 10, 16), ("forward",), ("unrolled",))
+
+
+@case("matvec")
+def matvec_ordered_is_default_and_verified():
+    a_local, _, x0, w = dm.setup(20, 4, comm)
+    problem = distop.Problem(dm.build(a_local, w, "forward"), {"x": x0})
+    phases = [e.phase for e in problem.schedule]
+    assert phases == ["forward"] * 4 + ["vjp"] * 4, phases
+    assert all(e.ordered and e.collectives == ("Allreduce",) for e in problem.schedule)
+    assert [e.batch for e in problem.schedule[4:]] == [(4,)] * 4
+
+
+# -- operators used directly in JAX code ----------------------------------------------
+@case("core")
+def several_inputs_and_outputs_with_a_0d_input():
+    a, b, t = np.arange(3.0) + 1, np.arange(2.0) - 0.5, np.array(1.5)
+    total = size * (size + 1) / 2
+    op = ScaledSum()
+    problem = distop.Problem(lambda a, b, t: dict(zip("uv", op(a, b, t))),
+                             {"a": a, "b": b, "t": t})
+    out = problem.run()
+    all_close_everywhere(comm, out["u"], total * a)
+    all_close_everywhere(comm, out["v"], total * b * t)
+    for mode in distop._problem.MODES:
+        J = problem.compute_totals(mode=mode)
+        all_close_everywhere(comm, J["u", "a"], total * np.eye(3))
+        all_close_everywhere(comm, J["v", "b"], total * t * np.eye(2))
+        all_close_everywhere(comm, J["v", "t"], (total * b)[:, None])
+        all_close_everywhere(comm, J["u", "t"], np.zeros((3, 1)))
+    g = jax.grad(lambda a, b, t: jnp.sum(op(a, b, t)[1]), argnums=2)(a, b, t)
+    all_close_everywhere(comm, g, total * b.sum())
+
+
+@case("core")
+def unused_output_still_runs_its_vjp():
+    a, b, t = np.ones(3), np.ones(2), np.array(2.0)
+    total = size * (size + 1) / 2
+    op = ScaledSum()
+    problem = distop.Problem(lambda a, b, t: {"u": jnp.sum(op(a, b, t)[0])},
+                             {"a": a, "b": b, "t": t})
+    assert [e.phase for e in problem.schedule] == ["forward", "vjp"]
+    J = problem.compute_totals(of="u", wrt=["a", "t"])
+    all_close_everywhere(comm, J["u", "a"], total * np.ones((1, 3)))
+    all_close_everywhere(comm, J["u", "t"], np.zeros((1, 1)))
+
+
+@case("core")
+def rank_local_input_gets_the_full_cotangent():
+    x = np.arange(4.0) * (rank + 1)
+    op = RankSum()
+    s = jax.jit(op)(x)
+    all_close_everywhere(comm, s, np.arange(4.0) * size * (size + 1) / 2)
+    g = jax.grad(lambda x: jnp.sum(op(x) ** 2))(x)
+    all_close_everywhere(comm, g, 2 * np.asarray(s))  # d/dx_r: the full s_bar
+
+
+@case("core")
+def operators_inside_scan_and_fori_loop():
+    a_local, a_global, x0, _ = dm.setup(30, 1, comm)
+    op = dm.DistributedMatvec(a_local)
+    a_norm = a_global / np.linalg.norm(a_global, 2)
+    op_norm = dm.DistributedMatvec(a_local / np.linalg.norm(a_global, 2))
+
+    def model(x):
+        y, _ = lax.scan(lambda c, _: (op_norm(c), None), x, None, length=3)
+        z = lax.fori_loop(0, 2, lambda i, c: op_norm(c), x)
+        return {"f": jnp.sum(y ** 2) + jnp.sum(z)}
+
+    problem = distop.Problem(model, {"x": x0})
+    assert any("scan[3]" in e.context for e in problem.schedule), problem.schedule
+    m3 = np.linalg.matrix_power(a_norm, 3)
+    m2 = np.linalg.matrix_power(a_norm, 2)
+    y = m3 @ x0
+    all_close_everywhere(comm, problem.run()["f"], y @ y + np.sum(m2 @ x0))
+    exact = 2 * m3.T @ y + m2.T @ np.ones(30)
+    for mode in distop._problem.MODES:
+        all_close_everywhere(comm, problem.compute_totals(mode=mode)["f", "x"][0], exact)
+    del op
+
+
+@case("core")
+def jacrev_and_vmap_directly():
+    a_local, a_global, x0, _ = dm.setup(12, 1, comm)
+    op = dm.DistributedMatvec(a_local)
+    all_close_everywhere(comm, jax.jit(jax.jacrev(op))(x0), a_global)
+    xs = np.stack([x0, 2 * x0, -x0])
+    all_close_everywhere(comm, jax.vmap(op)(xs), xs @ a_global.T)
+    all_close_everywhere(comm, jax.vmap(jax.vmap(op))(xs[None]), (xs @ a_global.T)[None])
+    g = jax.vmap(jax.grad(lambda x: jnp.sum(jnp.sin(op(x)))))(xs)
+    all_close_everywhere(comm, g, np.cos(xs @ a_global.T) @ a_global)
+
+
+@case("core")
+def local_operator_mixed_with_collectives():
+    a_local, a_global, x0, _ = dm.setup(10, 1, comm)
+    mv, cube = dm.DistributedMatvec(a_local), Cube()
+    assert not cube.is_ordered() and mv.is_ordered()
+    problem = distop.Problem(lambda x: {"f": jnp.sum(mv(cube(x)))}, {"x": x0})
+    assert [e.ordered for e in problem.schedule] == [False, True, True, False]
+    all_close_everywhere(comm, problem.run()["f"], np.sum(a_global @ x0 ** 3))
+    exact = 3 * x0 ** 2 * (a_global.T @ np.ones(10))
+    all_close_everywhere(comm, problem.compute_totals()["f", "x"][0], exact)
+
+
+# -- errors that must reach every rank ------------------------------------------------
+@case("core")
+def model_branching_on_rank_is_a_schedule_mismatch():
+    a_local, _, x0, _ = dm.setup(8, 1, comm)
+    op = dm.DistributedMatvec(a_local)
+
+    def model(x):
+        y = op(x)
+        if rank == size - 1:  # the bug: one rank builds a different program
+            y = op(y)
+        return {"f": jnp.sum(y)}
+
+    try:
+        distop.Problem(model, {"x": x0})
+    except distop.ScheduleMismatchError as err:
+        text = str(err)
+        assert f"rank {size - 1}:" in text and "DistributedMatvec.forward" in text, text
+        assert "branches on the rank" in text, text
+    else:
+        raise AssertionError("no ScheduleMismatchError")
+
+
+@case("core")
+def shapes_changing_on_one_rank_raise_everywhere():
+    a_local, _, x0, _ = dm.setup(8, 1, comm)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x0})
+    try:
+        problem.run(x=np.ones(9) if rank == 0 else x0)
+    except distop.DistopError as err:
+        assert "different input shapes" in str(err) and "rank 0" in str(err), str(err)
+    else:
+        raise AssertionError("no error")
+    assert problem.run(x=np.ones(9))["f"] == 9.0  # agreed on every rank: recompiles
+
+
+def main(groups):
+    names = []
+    try:
+        for group in groups:
+            for fn in CASES[group]:
+                names.append(fn.__name__)
+                fn()
+                comm.Barrier()
+    except BaseException:
+        print(f"rank {rank} of {size}: FAILED in {names[-1] if names else '?'}\n"
+              + traceback.format_exc(), flush=True)
+        comm.Abort(1)
+    finish(comm)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

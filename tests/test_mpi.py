@@ -1,0 +1,43 @@
+"""Multi-rank tests: each launch runs a group of cases from mpi_cases.py on 2 and 4 ranks."""
+
+import re
+
+import pytest
+
+from helpers import ROOT, TESTS, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("group", ["core", "matvec"])
+def test_cases(group, nprocs):
+    run_mpi(nprocs, TESTS / "mpi_cases.py", group, timeout=300)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_example_distributed_matvec(nprocs):
+    code, out = run_mpi(nprocs, ROOT / "examples" / "distributed_matvec.py",
+                        "--objectives", 16, "--repeat", 3, expect_ok=False)
+    assert code == 0, out
+    match = re.search(r"max relative error (\S+)", out)
+    assert match and float(match.group(1)) <= 1e-12, out
+    assert "median run" in out and "compute_totals" in out, out
+
+
+def test_watchdog_kills_a_hung_job(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("from mpi4py import MPI\n"
+                      "if MPI.COMM_WORLD.rank == 0:\n    MPI.COMM_WORLD.Barrier()\n"
+                      "else:\n    import time; time.sleep(600)\n")
+    with pytest.raises(AssertionError, match="watchdog"):
+        run_mpi(2, script, timeout=10)
+
+
+def test_a_failing_rank_fails_the_launch(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nfrom mpi4py import MPI\n"
+                      "from helpers import finish\n"
+                      "if MPI.COMM_WORLD.rank == 1:\n    sys.exit(3)\nfinish()\n")
+    code, out = run_mpi(2, script, timeout=60, expect_ok=False)
+    assert code != 0 and "rank 1 of 2: ok" not in out, out

@@ -1,0 +1,164 @@
+"""DistributedOperator in a single process: transformations, batching, checks of user code."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import distop
+from helpers import Cube, ScaledSum
+
+
+class Sin(distop.DistributedOperator):
+    scale: float
+    forward_collectives = ("Allreduce",)
+    calls: list = None
+
+    def forward(self, comm, x):
+        self.calls.append(("forward", x.shape))
+        return self.scale * np.sin(x)
+
+    def vjp(self, comm, y_bar, x):
+        self.calls.append(("vjp", y_bar.shape, x.shape))
+        return self.scale * np.cos(x) * y_bar
+
+
+class BatchedSin(Sin):
+    batched_forward = True
+    batched_vjp = True
+
+
+class OrderedSin(Sin):
+    ordered = True
+
+
+def sin(cls=OrderedSin, **kw):
+    return cls(2.0, calls=[], **kw)
+
+
+X = np.arange(3.0) + 0.5
+
+
+def test_fields_without_defaults_and_ordered_settings():
+    assert not sin(Sin).is_ordered()  # one rank: nothing to order
+    assert sin(OrderedSin).is_ordered()  # the class body's setting
+    assert not sin(OrderedSin, ordered=False).is_ordered()  # per instance
+    assert sin(Sin, ordered=True).is_ordered()
+
+
+@pytest.mark.parametrize("cls", [Sin, OrderedSin, BatchedSin])
+def test_jit_grad_jacrev_vmap(cls):
+    op = sin(cls)
+    np.testing.assert_allclose(jax.jit(op)(X), 2 * np.sin(X), rtol=1e-15)
+    np.testing.assert_allclose(jax.grad(lambda x: op(x).sum())(X), 2 * np.cos(X), rtol=1e-15)
+    op.calls.clear()
+    np.testing.assert_allclose(jax.jacrev(op)(X), np.diag(2 * np.cos(X)), atol=1e-15)
+    vjps = [c for c in op.calls if c[0] == "vjp"]
+    if cls is BatchedSin:  # one call for the whole (3, 3) cotangent block
+        assert vjps == [("vjp", (3, 3), (3, 3))]
+    else:  # one callback, one user call per row, x not copied per row
+        assert vjps == [("vjp", (3,), (3,))] * 3
+    xs = np.stack([X, X + 1])
+    np.testing.assert_allclose(jax.vmap(op)(xs), 2 * np.sin(xs), rtol=1e-15)
+    np.testing.assert_allclose(jax.vmap(jax.vmap(op))(xs[:, None]),
+                               2 * np.sin(xs[:, None]), rtol=1e-15)
+
+
+def test_scan_and_fori_loop_are_ordered_and_differentiable():
+    op = sin()
+
+    def f(x):
+        y, _ = lax.scan(lambda c, _: (op(c), None), x, None, length=3)
+        return jnp.sum(lax.fori_loop(0, 2, lambda i, c: op(c), y))
+
+    def ref(x):
+        for _ in range(5):
+            x = 2 * jnp.sin(x)
+        return jnp.sum(x)
+
+    np.testing.assert_allclose(jax.jit(f)(X), ref(X), rtol=1e-14)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(X), jax.grad(ref)(X), rtol=1e-13)
+    assert "ordered=True" in str(jax.make_jaxpr(f)(X))
+
+
+def test_unused_output_and_0d_input():
+    op = ScaledSum()
+    a, b, t = jnp.ones(3), jnp.ones(2), jnp.array(3.0)
+    g = jax.grad(lambda t: jnp.sum(op(a, b, t)[1]))(t)
+    assert g.shape == () and float(g) == 2.0
+    ga = jax.grad(lambda a: jnp.sum(op(a, b, t)[0]))(a)
+    np.testing.assert_array_equal(ga, np.ones(3))
+
+
+def test_local_operator_uses_unordered_callbacks():
+    jaxpr = str(jax.make_jaxpr(Cube())(X))
+    assert "pure_callback" in jaxpr and "io_callback" not in jaxpr
+    np.testing.assert_allclose(jax.grad(lambda x: Cube()(x).sum())(X), 3 * X ** 2)
+
+
+def test_integer_inputs_get_no_cotangent():
+    class Shift(distop.DistributedOperator):
+        def forward(self, comm, x, n):
+            return x + n
+
+        def vjp(self, comm, y_bar, x, n):
+            return y_bar, None
+
+    g = jax.grad(lambda x: Shift()(x, 2).sum())(X)
+    np.testing.assert_array_equal(g, np.ones(3))
+
+
+class Bad(distop.DistributedOperator):
+    result: object = None
+
+    def forward(self, comm, x):
+        return self.result
+
+    def vjp(self, comm, y_bar, x):
+        return self.result
+
+
+@pytest.mark.parametrize("result, expected", [
+    (np.ones(2), r"Bad.forward on rank 0: returned output 0 with shape \(2,\) .*expected shape \(3,\)"),
+    (np.ones(3, np.float32), r"dtype float32; expected shape \(3,\) and dtype float64"),
+    (None, r"returned None for output 0"),
+    ((np.ones(3), np.ones(3)), r"returned a tuple of length 2; expected 1 output"),
+])
+def test_bad_forward_results_name_operator_phase_and_expectation(result, expected):
+    with pytest.raises(Exception, match=expected):
+        jax.jit(Bad(result))(X).block_until_ready()
+
+
+def test_bad_vjp_result_and_missing_methods():
+    class BadVjp(Bad):
+        def vjp(self, comm, y_bar, x):
+            return y_bar[:2]
+
+    with pytest.raises(Exception, match=r"BadVjp.vjp on rank 0: returned input cotangent 0 "
+                                        r"with shape \(2,\)"):
+        jax.grad(lambda x: BadVjp(np.ones(3))(x).sum())(X).block_until_ready()
+
+    class NoVjp(distop.DistributedOperator):
+        def forward(self, comm, x):
+            return x
+
+    class NoForward(distop.DistributedOperator):
+        pass
+
+    np.testing.assert_array_equal(NoVjp()(X), X)
+    with pytest.raises(distop.OperatorError, match="NoVjp does not implement vjp"):
+        jax.grad(lambda x: NoVjp()(x).sum())(X)
+    with pytest.raises(distop.OperatorError, match="NoForward does not implement forward"):
+        NoForward()(X)
+    with pytest.raises(TypeError, match=r"Cube\(...\): input 0 is a str"):
+        Cube()("x")
+
+
+def test_user_exception_names_operator_and_phase():
+    class Boom(distop.DistributedOperator):
+        def forward(self, comm, x):
+            raise KeyError("missing block")
+
+    with pytest.raises(Exception, match=r"Boom.forward on rank 0: raised KeyError"):
+        jax.jit(Boom())(X).block_until_ready()

@@ -2,12 +2,22 @@
 
 import importlib.metadata
 
+from ._collectives import Allgather as Allgather
+from ._collectives import AllreduceSum as AllreduceSum
+from ._collectives import Alltoall as Alltoall
+from ._collectives import Broadcast as Broadcast
+from ._collectives import RankLocal as RankLocal
+from ._collectives import Split as Split
+from ._errors import DerivativeCheckError as DerivativeCheckError
 from ._errors import DistopError as DistopError
+from ._errors import MissingMethodError as MissingMethodError
 from ._errors import MPIUnavailableError as MPIUnavailableError
 from ._errors import OperatorError as OperatorError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._operator import DistributedOperator as DistributedOperator
-
-__version__ = importlib.metadata.version("distop")
 from ._problem import Problem as Problem
 from ._schedule import ScheduleEntry as ScheduleEntry
+from ._totals import TotalsCheck as TotalsCheck
+from ._totals import shard as shard
+
+__version__ = importlib.metadata.version("distop")

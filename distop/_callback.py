@@ -5,6 +5,7 @@ not JAX: contiguous row-major arrays for user code, the per-row loop or single b
 call, checks of what user code returns, and failure handling under MPI.
 """
 
+import inspect
 import sys
 import threading
 import traceback
@@ -59,6 +60,10 @@ class HostCall:
         self.ordered = ordered
         self.method = getattr(op, phase)
         self.batched = bool(getattr(op, "batched_" + phase, False))
+        # A batched method may take a keyword `batched` to learn whether this call
+        # carries the leading batch axis (it does only when distop batches).
+        self.kwargs = ({"batched": bool(batch_shape)} if self.batched and "batched" in
+                       inspect.signature(self.method).parameters else {})
         self.n_user_results = (len(arg_specs) - n_cotangents if phase == "vjp"
                                else len(result_specs))
 
@@ -79,8 +84,8 @@ class HostCall:
         if self.phase == "vjp":
             k = self.n_cotangents
             ct = tuple(args[:k]) if k > 1 else args[0]
-            return self.method(self.comm, ct, *args[k:])
-        return self.method(self.comm, *args)
+            return self.method(self.comm, ct, *args[k:], **self.kwargs)
+        return self.method(self.comm, *args, **self.kwargs)
 
     def _call_rows(self, args):
         outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]

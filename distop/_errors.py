@@ -26,3 +26,7 @@ class ScheduleMismatchError(DistopError, RuntimeError):
 
 class MPIUnavailableError(DistopError, ImportError):
     """mpi4py cannot load an MPI library, but MPI was needed."""
+
+
+class DerivativeCheckError(DistopError, ValueError):
+    """`check_totals(raise_on_error=True)` found a block that fails, raised on every rank."""

@@ -1,18 +1,61 @@
 """`Problem`: trace a model of jax.numpy and operators into checked, jitted entry points."""
 
+import dataclasses
 import hashlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _comm, _schedule
+from . import _comm, _schedule, _totals
 from ._callback import take_error
 from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError
 
 MODES = ("batched", "loop", "unrolled")
+FORMATS = ("global", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the values of one point live: local specs and, for distributed names, the
+    axis-0 size on every rank (the same on every rank)."""
+
+    inputs: dict
+    outputs: dict
+    counts: dict  # name -> tuple of axis-0 sizes, one per rank (distributed names only)
+
+    def spec(self, name):
+        """**Returns:** the local `jax.ShapeDtypeStruct` of input or output `name`."""
+        return self.inputs[name] if name in self.inputs else self.outputs[name]
+
+    def global_size(self, name):
+        """**Returns:** the flat size of `name` over all ranks (its own if replicated)."""
+        spec = self.spec(name)
+        if name not in self.counts:
+            return int(np.prod(spec.shape))
+        return sum(self.counts[name]) * int(np.prod(spec.shape[1:]))
+
+    def local_rows(self, name, rank):
+        """**Returns:** (start, stop) of this rank's flat entries within `name`'s global
+        flat vector (all of it if replicated)."""
+        if name not in self.counts:
+            return 0, self.global_size(name)
+        spec = self.spec(name)
+        tail = int(np.prod(spec.shape[1:]))
+        start = sum(self.counts[name][:rank]) * tail
+        return start, start + self.counts[name][rank] * tail
+
+
+@dataclasses.dataclass
+class Program:
+    """A compiled entry point: the jitted function, its schedule, and fixed arguments."""
+
+    fn: object
+    schedule: tuple
+    extra: tuple = ()
 
 
 class Problem:
@@ -24,13 +67,18 @@ class Problem:
     - `inputs`: dict of name -> array, the starting point.
     - `comm`: the MPI communicator the model runs on (default `MPI.COMM_WORLD`); distop
       uses a private duplicate for its own agreement and checks.
+    - `distributed`: names of inputs and outputs that are distributed: each rank holds
+      its own block along axis 0 (sizes may differ, and be zero). Everything else is
+      replicated (the same on every rank).
+    - `check_replicated`: if True, every `run` checks that replicated inputs and outputs
+      are equal on all ranks and raises on every rank if not.
 
     Attributes: `schedule` (the operator calls of the `compute_totals` program, in
     program order: forward, then vjp; only forward if an operator has no `vjp`),
-    `input_names`, `output_names`.
+    `input_names`, `output_names`, `distributed`.
     """
 
-    def __init__(self, model, inputs, *, comm=None):
+    def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False):
         if not callable(model):
             raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
                             "a function called as model(**inputs) returning a dict.")
@@ -39,17 +87,31 @@ class Problem:
                             f"array; got {type(inputs).__name__}.")
         self.model = model
         self.comm = _comm.private(comm)
+        self.distributed = frozenset([distributed] if isinstance(distributed, str)
+                                     else distributed)
+        self.check_replicated = check_replicated
         self._point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
                        for name, value in inputs.items()}
         self.input_names = tuple(self._point)
+        for name in self.distributed & set(self.input_names):
+            if self._point[name].ndim == 0:
+                raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is 0-d; "
+                                 "a distributed value needs an axis 0 to split.")
+        self._layouts = {}
         self._programs = {}
-        self._output_specs_by_shapes = {}
-        self.output_names = tuple(self._output_specs())
+        layout = self._layout(self._point)
+        self.output_names = tuple(layout.outputs)
+        unknown = self.distributed - set(self.input_names) - set(self.output_names)
+        if unknown:
+            raise ValueError(f"Problem(distributed={sorted(self.distributed)}): no input or "
+                             f"output named {sorted(unknown)}; inputs are "
+                             f"{list(self.input_names)}, outputs {list(self.output_names)}.")
         try:
-            self._schedule = self._compiled(
-                "compute_totals", ("batched", self._differentiable_outputs()))[1]
+            self._schedule = self._program(
+                "compute_totals", ("batched", self._differentiable(layout.outputs)),
+                layout).schedule
         except MissingMethodError:  # an operator without vjp: the model can still run
-            self._schedule = self._compiled("run", ())[1]
+            self._schedule = self._program("run", (), layout).schedule
 
     # -- public entry points --------------------------------------------------------
     @property
@@ -64,10 +126,11 @@ class Problem:
         """Evaluate the model at `inputs` (others keep their current values).
 
         **Arguments:**
-        - `inputs`: name=array for the inputs to change.
+        - `inputs`: name=array for the inputs to change (this rank's block for
+          distributed inputs).
 
-        **Returns:** dict of output name -> numpy array. The evaluated point becomes the
-        current point.
+        **Returns:** dict of output name -> numpy array (this rank's block for
+        distributed outputs). The evaluated point becomes the current point.
         """
         point = dict(self._point)
         for name, value in inputs.items():
@@ -75,12 +138,14 @@ class Problem:
                 raise ValueError(f"run({name}=...): no input named '{name}'; inputs are "
                                  f"{list(self.input_names)}.")
             point[name] = _as_input(f"run({name}=...)", value)
-        program, _, _ = self._compiled("run", (), point)
-        outs = self._execute(program, point)
+        layout = self._layout(point)
+        outs = self._execute(self._program("run", (), layout), point)
+        if self.check_replicated:
+            _totals.check_replicated(self, {**point, **outs}, "run")
         self._point = point
         return outs
 
-    def compute_totals(self, of=None, wrt=None, *, mode="batched"):
+    def compute_totals(self, of=None, wrt=None, *, mode="batched", return_format="global"):
         """Total derivatives of outputs with respect to inputs, at the current point.
 
         **Arguments:**
@@ -89,39 +154,56 @@ class Problem:
         - `mode`: `"batched"` (every seed in one vmapped reverse sweep: one callback per
           operator), `"loop"` (one sweep per seed inside a `lax.scan`) or `"unrolled"`
           (one independent sweep per seed, unrolled in the program).
+        - `return_format`: `"global"` (every rank gets the whole Jacobian of the global
+          vectors) or `"local"` (no gathering: this rank's rows of distributed `of`, all
+          rows of replicated `of`; this rank's columns of distributed `wrt`).
 
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
-        identical on every rank for replicated values.
+        identical on every rank for the global format.
         """
-        of = self._names("of", of, self.output_names, self._differentiable_outputs())
-        wrt = self._names("wrt", wrt, self.input_names, self._differentiable_inputs())
+        layout = self._layout(self._point)
+        of = self._names("compute_totals", "of", of, self.output_names,
+                         self._differentiable(layout.outputs))
+        wrt = self._names("compute_totals", "wrt", wrt, self.input_names,
+                          self._differentiable(layout.inputs))
         if mode not in MODES:
             raise ValueError(f"compute_totals(mode={mode!r}): expected one of {list(MODES)}.")
+        if return_format not in FORMATS:
+            raise ValueError(f"compute_totals(return_format={return_format!r}): expected "
+                             f"one of {list(FORMATS)}.")
         if not of or not wrt:
             return {}
-        program, _, seeds = self._compiled("compute_totals", (mode, of))
-        cts = self._execute(program, self._point, *seeds)
-        totals = {}
-        row = 0
-        for o in of:
-            n = int(np.prod(self._output_specs()[o].shape))
-            for w in wrt:
-                totals[o, w] = np.asarray(cts[w][row:row + n]).reshape(n, self._point[w].size)
-            row += n
-        return totals
+        program = self._program("compute_totals", (mode, of), layout)
+        cts = self._execute(program, self._point)
+        return _totals.assemble(self, layout, cts, of, wrt, return_format)
+
+    def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
+                     atol=1e-8, rtol=1e-6, out_stream=sys.stdout, raise_on_error=False,
+                     show_only_incorrect=False):
+        """Compare `compute_totals` with finite differences, on every rank.
+
+        A block fails where |J - J_fd| > atol + rtol * |J_fd| anywhere, or where ranks
+        disagree on J. Perturbations run as one batched program call.
+
+        **Arguments:**
+        - `of`, `wrt`: as for `compute_totals`.
+        - `method`: `"fd"` (finite differences).
+        - `form`: `"central"`, `"forward"` or `"backward"`.
+        - `step`: the finite-difference step.
+        - `atol`, `rtol`: the tolerances.
+        - `out_stream`: where rank 0 prints the table (None prints nothing).
+        - `raise_on_error`: raise `DerivativeCheckError` on every rank if a block fails.
+        - `show_only_incorrect`: print only failing blocks.
+
+        **Returns:** dict of `(of, wrt)` -> `TotalsCheck` with `J`, `J_fd`, `abs_error`,
+        `rel_error`, `ok` and `inconsistent_ranks`.
+        """
+        return _totals.check_totals(self, of, wrt, method=method, form=form, step=step,
+                                    atol=atol, rtol=rtol, out_stream=out_stream,
+                                    raise_on_error=raise_on_error,
+                                    show_only_incorrect=show_only_incorrect)
 
     # -- programs -------------------------------------------------------------------
-    def _output_specs(self, point=None):
-        """The output shapes and dtypes at `point`'s input shapes (traced once per shapes)."""
-        point = self._point if point is None else point
-        key = tuple((k, v.shape, str(v.dtype)) for k, v in point.items())
-        specs = self._output_specs_by_shapes.get(key)
-        if specs is None:
-            inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
-            specs = self._output_specs_by_shapes[key] = dict(self._agree(
-                "tracing the model", lambda: jax.eval_shape(self._call_model, inputs)))
-        return specs
-
     def _call_model(self, point):
         out = self.model(**point)
         if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
@@ -129,72 +211,125 @@ class Problem:
                             "a dict of output name -> array.")
         return {k: jnp.asarray(v) for k, v in out.items()}
 
-    def _build(self, name, options):
+    def _build(self, name, options, layout):
         if name == "run":
-            return self._call_model
-        mode, of = options
-        return lambda point, seeds: self._totals(point, seeds, mode)
+            return lambda point: self._call_model(point)
+        if name == "fd":
+            return lambda point, deltas: jax.vmap(
+                lambda d: self._call_model({**point, **{k: point[k] + d[k] for k in d}})
+            )(deltas)
+        mode, _ = options
+        diff_names = self._differentiable(layout.inputs)
 
-    def _totals(self, point, seeds, mode):
-        diff_names = self._differentiable_inputs()
-        diff = {k: point[k] for k in diff_names}
-        rest = {k: v for k, v in point.items() if k not in diff}
-        _, pullback = jax.vjp(lambda d: self._call_model({**rest, **d}), diff)
-        if mode == "batched":
-            (cts,) = jax.vmap(pullback)(seeds)
-        elif mode == "loop":
-            _, (cts,) = lax.scan(lambda carry, seed: (carry, pullback(seed)), None, seeds)
-        else:
+        def totals(point, seeds):
+            diff = {k: point[k] for k in diff_names}
+            rest = {k: v for k, v in point.items() if k not in diff}
+            _, pullback = jax.vjp(lambda d: self._call_model({**rest, **d}), diff)
+            if mode == "batched":
+                return jax.vmap(pullback)(seeds)[0]
+            if mode == "loop":
+                return lax.scan(lambda carry, seed: (carry, pullback(seed)), None, seeds)[1][0]
             n = next(iter(seeds.values())).shape[0]
             rows = [pullback({k: v[i] for k, v in seeds.items()})[0] for i in range(n)]
-            cts = {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
-        return cts
+            return {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
 
-    def _seeds(self, of):
-        """One unit cotangent per row of the requested outputs; zeros for the others, so
-        every operator's VJP runs whatever `of` asks for. They are program arguments, not
-        constants: XLA would spend long constant-folding them in unrolled programs."""
-        sizes = {o: int(np.prod(self._output_specs()[o].shape)) for o in of}
+        return totals
+
+    def _seeds(self, of, layout):
+        """One unit cotangent per global row of the requested outputs: a row of a
+        distributed output only on the rank that owns it, a row of a replicated output on
+        every rank; zeros for the other outputs, so every operator's VJP runs whatever
+        `of` asks for. Program arguments, not constants: XLA would spend long
+        constant-folding them in unrolled programs."""
+        rank = self.comm.Get_rank()
+        sizes = {o: layout.global_size(o) for o in of}
         offsets = dict(zip(of, np.cumsum([0] + [sizes[o] for o in of])))
         total = sum(sizes.values())
         seeds = {}
-        for name, spec in self._output_specs().items():
+        for name, spec in layout.outputs.items():
             if not np.issubdtype(spec.dtype, np.inexact):
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
                 continue
             seed = np.zeros((total, int(np.prod(spec.shape))), spec.dtype)
             if name in sizes:
-                seed[offsets[name]:offsets[name] + sizes[name]] = np.eye(sizes[name])
+                start, stop = layout.local_rows(name, rank)
+                rows = offsets[name] + np.arange(start, stop)
+                seed[rows, np.arange(stop - start)] = 1
             seeds[name] = seed.reshape((total,) + spec.shape)
         return seeds
 
-    def _compiled(self, name, options, point=None):
-        """The jitted program of an entry point for the current shapes, traced, checked
-        and agreed by every rank the first time it is needed."""
-        point = self._point if point is None else point
-        signature = (name, options,
-                     tuple((k, v.shape, str(v.dtype)) for k, v in point.items()))
-        if not _comm.all_equal(self.comm, _stable_hash(signature)):
-            every = self.comm.allgather(signature)
-            raise DistopError(f"{name}: the ranks called it with different input shapes or "
-                              "dtypes, so they would compile different programs:\n"
-                              + "\n".join(f"  rank {r}: {s[2]}" for r, s in enumerate(every))
-                              + "\nPass the same shapes on every rank.")
-        found = self._programs.get(signature)
+    def _layout(self, point):
+        """Agree with every rank on the shapes of `point` (one small collective per
+        call), and return its `Layout` (traced once per new shapes, on every rank)."""
+        local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
+        dist_inputs = [k for k in point if k in self.distributed]
+        counts = ()
+        if self.comm.Get_size() > 1:
+            fixed = tuple((k, s[1:] if k in self.distributed else s, d) for k, s, d in local)
+            mine = np.array([_stable_hash(fixed)] + [point[k].shape[0] for k in dist_inputs],
+                            dtype=np.int64)
+            every = np.empty((self.comm.Get_size(), mine.size), np.int64)
+            self.comm.Allgather(mine, every)
+            if (every[:, 0] != every[0, 0]).any():
+                shapes = self.comm.allgather(fixed)
+                raise DistopError(
+                    "the ranks passed inputs of different shapes or dtypes, so they would "
+                    "compile different programs:\n"
+                    + "\n".join(f"  rank {r}: {s}" for r, s in enumerate(shapes))
+                    + "\nPass the same shapes on every rank; only inputs named in "
+                    "Problem(distributed=...) may differ, and only in axis 0.")
+            counts = tuple(map(tuple, every[:, 1:].T.tolist()))
+        key = (local, counts)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._new_layout(point, dict(zip(dist_inputs,
+                                                                            counts)))
+        return layout
+
+    def _new_layout(self, point, counts):
+        inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
+        outputs = dict(self._agree("tracing the model",
+                                   lambda: jax.eval_shape(self._call_model, inputs)))
+        if self.comm.Get_size() == 1:
+            counts.update({k: (s.shape[0],) for k, s in outputs.items()
+                           if k in self.distributed and s.ndim})
+            counts.update({k: (point[k].shape[0],) for k in point if k in self.distributed})
+            return Layout(inputs, outputs, counts)
+        shapes = self.comm.allgather({k: (s.shape, str(s.dtype)) for k, s in outputs.items()})
+        for name, spec in outputs.items():
+            seen = [s[name] for s in shapes]
+            if name in self.distributed:
+                if spec.ndim == 0 or len({(s[0][1:], s[1]) for s in seen}) > 1:
+                    raise DistopError(f"distributed output {name!r}: local shapes "
+                                      f"{[s[0] for s in seen]} on ranks 0..; a distributed "
+                                      "value needs axis 0 and the same other axes and "
+                                      "dtype everywhere.")
+                counts[name] = tuple(s[0][0] for s in seen)
+            elif len(set(seen)) > 1:
+                raise DistopError(f"output {name!r} has shapes {[s[0] for s in seen]} on ranks "
+                                  f"0..{len(seen) - 1}: a replicated output must be the same "
+                                  "everywhere. Declare it in Problem(distributed=...) if each "
+                                  "rank holds a block of it.")
+        return Layout(inputs, outputs, counts)
+
+    def _program(self, name, options, layout, extra=None):
+        """The jitted program of an entry point for `layout`, traced, checked and agreed
+        by every rank the first time it is needed."""
+        key = (name, options, id(layout))
+        found = self._programs.get(key)
         if found is None:
-            fn = jax.jit(self._build(name, options))
-            extra = (self._seeds(options[1]),) if name == "compute_totals" else ()
-            specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
+            fn = jax.jit(self._build(name, options, layout))
+            if extra is None:
+                extra = (self._seeds(options[1], layout),) if name == "compute_totals" else ()
             traced = self._agree(f"{name}: tracing the program",
-                                 lambda: fn.trace(specs, *extra))
-            entries = _schedule.extract(traced.jaxpr)
-            _schedule.verify(self.comm, name, entries)
-            found = self._programs[signature] = (fn, entries, extra)
+                                 lambda: fn.trace(layout.inputs, *extra))
+            schedule = _schedule.agree(self.comm, name, _schedule.extract(traced.jaxpr))
+            found = self._programs[key] = Program(fn, schedule, extra)
         return found
 
     def _execute(self, program, point, *extra):
         try:
-            out = program(point, *extra)
+            out = program.fn(point, *(extra or program.extra))
             return {k: np.asarray(v) for k, v in out.items()}
         except JaxRuntimeError as err:
             cause = take_error()
@@ -209,7 +344,8 @@ class Problem:
         except Exception as err:  # noqa: BLE001 - reported collectively below
             result, error = None, err
         if self.comm.Get_size() > 1:
-            failed = self.comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+            failed = self.comm.allgather(None if error is None
+                                         else f"{type(error).__name__}: {error}")
             if any(failed) and error is None:
                 raise DistopError(f"{what} failed on other ranks:\n" + "\n".join(
                     f"  rank {r}: {m}" for r, m in enumerate(failed) if m))
@@ -218,24 +354,21 @@ class Problem:
         return result
 
     # -- names ----------------------------------------------------------------------
-    def _differentiable_inputs(self):
-        return tuple(k for k, v in self._point.items() if np.issubdtype(v.dtype, np.inexact))
+    @staticmethod
+    def _differentiable(specs):
+        return tuple(k for k, s in specs.items() if np.issubdtype(s.dtype, np.inexact))
 
-    def _differentiable_outputs(self):
-        return tuple(k for k, s in self._output_specs().items()
-                     if jnp.issubdtype(s.dtype, jnp.inexact))
-
-    def _names(self, arg, names, known, differentiable):
+    def _names(self, method, arg, names, known, differentiable):
         if names is None:
             return differentiable
         names = [names] if isinstance(names, str) else list(names)
         kind = "output" if arg == "of" else "input"
         for n in names:
             if n not in known:
-                raise ValueError(f"compute_totals({arg}={names!r}): no {kind} named {n!r}; "
+                raise ValueError(f"{method}({arg}={names!r}): no {kind} named {n!r}; "
                                  f"{kind}s are {list(known)}.")
             if n not in differentiable:
-                raise ValueError(f"compute_totals({arg}={names!r}): {kind} {n!r} is not "
+                raise ValueError(f"{method}({arg}={names!r}): {kind} {n!r} is not "
                                  "floating point, so it has no derivative.")
         return tuple(names)
 

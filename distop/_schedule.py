@@ -20,7 +20,9 @@ class ScheduleEntry:
     Fields: `index`, `operator` (class name), `phase` (`forward`/`vjp`), `collectives`
     (declared for that phase), `input_shapes`, `output_shapes`, `input_dtypes`,
     `output_dtypes` (unbatched), `batch` (batch sizes, outermost first; () if not
-    batched), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`).
+    batched), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`),
+    `input_distributed`, `output_distributed` (per argument: whether its local axis 0
+    differs between ranks, in which case the shape shows the global size of that axis).
     """
 
     index: int
@@ -34,15 +36,23 @@ class ScheduleEntry:
     batch: tuple[int, ...]
     ordered: bool
     context: str
+    input_distributed: tuple[bool, ...] = ()
+    output_distributed: tuple[bool, ...] = ()
 
     def describe(self):
         """**Returns:** a one-line, rank-independent description (no index)."""
-        ins = ", ".join(f"{d}{list(s)}" for s, d in zip(self.input_shapes, self.input_dtypes))
-        outs = ", ".join(f"{d}{list(s)}" for s, d in zip(self.output_shapes, self.output_dtypes))
+        ins = _arrays(self.input_shapes, self.input_dtypes, self.input_distributed)
+        outs = _arrays(self.output_shapes, self.output_dtypes, self.output_distributed)
         return (f"{self.operator}.{self.phase} collectives={list(self.collectives)} "
                 f"in=({ins}) out=({outs}) batch={list(self.batch)} "
                 f"{'ordered' if self.ordered else 'unordered'}"
                 + (f" in {self.context}" if self.context else ""))
+
+
+def _arrays(shapes, dtypes, distributed):
+    distributed = distributed or (False,) * len(shapes)
+    return ", ".join(f"{d}[{', '.join(map(str, s))}{' distributed' if dist else ''}]"
+                     for s, d, dist in zip(shapes, dtypes, distributed))
 
 
 def extract(closed_jaxpr):
@@ -106,21 +116,54 @@ def fingerprint(name, entries):
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def verify(comm, name, entries):
-    """Check that every rank compiled the same schedule; raise on every rank if not.
+def agree(comm, name, entries):
+    """Check that every rank compiled the same schedule, up to distributed axes.
+
+    One collective: the ranks exchange a fingerprint of their schedule with every
+    array's axis 0 left out, and the local sizes of axis 0. An axis 0 that differs
+    between ranks marks a distributed value and is described by its global size, so the
+    returned schedule is the same on every rank.
 
     **Arguments:**
     - `comm`: the problem's communicator.
     - `name`: the entry point, e.g. `"run"` or `"compute_totals"`.
-    - `entries`: this rank's schedule.
+    - `entries`: this rank's schedule (local shapes).
+
+    **Returns:** the schedule with global shapes.
 
     **Raises:** `ScheduleMismatchError` on every rank, naming the first differing entry
     of each rank.
     """
-    from ._comm import all_equal
+    if comm.Get_size() == 1:
+        return entries
+    headless = [dataclasses.replace(e, input_shapes=_tails(e.input_shapes),
+                                    output_shapes=_tails(e.output_shapes)) for e in entries]
+    heads = [s[0] if s else -1 for e in entries for s in e.input_shapes + e.output_shapes]
+    every = comm.allgather((fingerprint(name, headless), heads))
+    if len({fp for fp, _ in every}) > 1:
+        _mismatch(comm, name, entries)
+    sizes = np.array([h for _, h in every])  # (ranks, arrays)
+    distributed = (sizes != sizes[0]).any(axis=0)
+    totals = sizes.sum(axis=0)
+    out, k = [], 0
+    for e in entries:
+        shapes, flags = [], []
+        for s in e.input_shapes + e.output_shapes:
+            flags.append(bool(distributed[k]))
+            shapes.append((int(totals[k]),) + s[1:] if distributed[k] else s)
+            k += 1
+        n = len(e.input_shapes)
+        out.append(dataclasses.replace(
+            e, input_shapes=tuple(shapes[:n]), output_shapes=tuple(shapes[n:]),
+            input_distributed=tuple(flags[:n]), output_distributed=tuple(flags[n:])))
+    return tuple(out)
 
-    if comm.Get_size() == 1 or all_equal(comm, fingerprint(name, entries)):
-        return
+
+def _tails(shapes):
+    return tuple(s[1:] if s else ("0-d",) for s in shapes)
+
+
+def _mismatch(comm, name, entries):
     every = comm.allgather([e.describe() for e in entries])
     lines = [f"{name}: the ranks compiled different collective schedules, so their "
              "collectives would meet the wrong partners."]
@@ -134,7 +177,8 @@ def verify(comm, name, entries):
         else:
             here = mine[diff] if diff < len(mine) else "(no entry: schedule ends)"
             lines.append(f"  rank {rank}: {len(mine)} entries; entry {diff}: {here}")
-    lines.append("Likely cause: model code that branches on the rank (Python `if` on "
-                 "comm.rank), or inputs whose shapes differ between ranks without being "
-                 "declared distributed. Every rank must build the same program.")
+    lines.append("Likely cause: model code that branches on the rank (a Python `if` on "
+                 "comm.rank), or values whose shapes differ between ranks in an axis other "
+                 "than axis 0 (only axis 0 may be distributed). Every rank must build the "
+                 "same program.")
     raise ScheduleMismatchError("\n".join(lines))

@@ -16,6 +16,11 @@ def test_cases(group, nprocs):
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
+def test_distributed_cases(nprocs):
+    run_mpi(nprocs, TESTS / "mpi_distributed.py", timeout=300)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
 def test_example_distributed_matvec(nprocs):
     code, out = run_mpi(nprocs, ROOT / "examples" / "distributed_matvec.py",
                         "--objectives", 16, "--repeat", 3, expect_ok=False)

@@ -1,0 +1,163 @@
+"""mpiexec -n 4 python benchmarks/matvec.py
+
+The distributed matvec scenario (M=400, K objectives f_k = w_k . y, y = (sum_r A_r) x),
+timed side by side in one run, interleaved call by call:
+- `hand`: a hand-written numpy + mpi4py script computing the same values and gradients
+  (forward Allreduce; gradients with K per-objective Allreduces, `hand-K`, or one
+  batched Allreduce of the (K, M) block, `hand`);
+- `floor`: the same jnp work in one jitted program with one empty ordered io_callback
+  in the forward and one batched one in the reverse: the floor of any design built on
+  ordered io_callbacks;
+- `distop`: `Problem.run` and `Problem.compute_totals()` (batched mode);
+- `naive`: distop with `ordered=False` and `mode="unrolled"`: per-objective unordered
+  pure callbacks, the lowering graph frameworks emit today (its error is printed too).
+Per-call times are the max over ranks of the median over `--repeat` calls; first-call
+times include tracing and compiling. Options: --objectives 1 16 64, --size M, --repeat R.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import distributed_matvec as dm  # noqa: E402
+
+import distop  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+comm = MPI.COMM_WORLD
+
+
+def hand_written(a_local, w, x, batched):
+    """Values and gradients with numpy + mpi4py only."""
+    y = np.empty(a_local.shape[0])
+    comm.Allreduce(a_local @ x, y, op=MPI.SUM)
+    f = w @ y
+    if batched:
+        local = np.ascontiguousarray((a_local.T @ w.T).T)
+        grads = np.empty_like(local)
+        comm.Allreduce(local, grads, op=MPI.SUM)
+    else:
+        grads = np.empty_like(w)
+        for k in range(w.shape[0]):
+            comm.Allreduce(np.ascontiguousarray(a_local.T @ w[k]), grads[k], op=MPI.SUM)
+    return f, grads
+
+
+def floor_programs(w, size):
+    """Jitted programs with the same jnp work and empty ordered callbacks."""
+    spec = jax.ShapeDtypeStruct((size,), jnp.float64)
+
+    def empty(*args):
+        return np.zeros(args[0].shape)
+
+    def run(x):
+        y = io_callback(empty, spec, x, ordered=True)
+        return w @ y
+
+    def totals(x):
+        y = io_callback(empty, spec, x, ordered=True)
+        f = w @ y
+        y_bar = jnp.eye(w.shape[0]) @ w  # one cotangent row per objective
+        grads = io_callback(empty, jax.ShapeDtypeStruct(w.shape, jnp.float64), y_bar,
+                            ordered=True)
+        return f, grads
+
+    return jax.jit(run), jax.jit(totals)
+
+
+def first_call(fn):
+    comm.Barrier()
+    t = time.perf_counter()
+    fn()
+    return comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+
+
+def measure(k, size, repeat):
+    a_local, a_global, x0, w = dm.setup(size, k, comm)
+    floor_run, floor_totals = floor_programs(w, size)
+    xj = jnp.asarray(x0)
+    first = {}
+    first["floor"] = (first_call(lambda: floor_run(xj).block_until_ready()),
+                      first_call(lambda: jax.block_until_ready(floor_totals(xj))))
+    holder = {}
+
+    def make(name, **kw):
+        holder[name] = distop.Problem(dm.build(a_local, w, "reverse", **kw), {"x": x0})
+        holder[name].run()
+
+    mode = {"distop": "batched", "naive": "unrolled"}
+    first["distop"] = (first_call(lambda: make("distop")),
+                       first_call(lambda: holder["distop"].compute_totals()))
+    first["naive"] = (first_call(lambda: make("naive", ordered=False)),
+                      first_call(lambda: holder["naive"].compute_totals(mode="unrolled")))
+    first["hand"] = (0.0, 0.0)
+    errors = {name: comm.allreduce(dm.errors(holder[name], a_global, x0, w, mode[name]),
+                                   op=MPI.MAX) for name in holder}
+    calls = {
+        "hand": (lambda: hand_written(a_local, w, x0, True)[0],
+                 lambda: hand_written(a_local, w, x0, True)),
+        "hand-K": (lambda: hand_written(a_local, w, x0, True)[0],
+                   lambda: hand_written(a_local, w, x0, False)),
+        "floor": (lambda: floor_run(xj).block_until_ready(),
+                  lambda: jax.block_until_ready(floor_totals(xj))),
+        "distop": (holder["distop"].run, holder["distop"].compute_totals),
+        "naive": (holder["naive"].run,
+                  lambda: holder["naive"].compute_totals(mode="unrolled")),
+    }
+    times = {(name, which): [] for name in calls for which in (0, 1)}
+    for _ in range(repeat):  # interleaved: every variant sees the same machine state
+        for name, fns in calls.items():
+            for which, fn in enumerate(fns):
+                comm.Barrier()
+                t = time.perf_counter()
+                fn()
+                times[name, which].append(time.perf_counter() - t)
+    med = {key: comm.allreduce(float(np.median(v)), op=MPI.MAX) for key, v in times.items()}
+    return med, first, errors
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--objectives", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--size", type=int, default=400)
+    parser.add_argument("--repeat", type=int, default=50)
+    args = parser.parse_args()
+    rows = []
+    for k in args.objectives:
+        med, first, errors = measure(k, args.size, args.repeat)
+        rows.append((k, med, first, errors))
+    if comm.rank != 0:
+        return
+    print(f"# distributed matvec, {comm.size} ranks, M={args.size}; per call: max over ranks "
+          f"of the median of {args.repeat} interleaved calls (ms); jax {jax.__version__}")
+    head = (f"{'K':>3} {'entry':<15}{'hand':>8}{'hand-K':>8}{'floor':>8}{'distop':>8}"
+            f"{'naive':>8}{'d/floor':>9}{'d/hand':>8}{'naive/d':>9}")
+    print(head)
+    for k, med, first, errors in rows:
+        for which, entry in enumerate(("run", "compute_totals")):
+            m = {name: 1e3 * med[name, which] for name in ("hand", "hand-K", "floor",
+                                                            "distop", "naive")}
+            print(f"{k:>3} {entry:<15}" + "".join(f"{m[n]:>8.3f}" for n in m)
+                  + f"{m['distop'] / m['floor']:>9.2f}{m['distop'] / m['hand']:>8.2f}"
+                  + f"{m['naive'] / m['distop']:>9.2f}")
+    print("\n# first call (s): Problem creation + first run, then first compute_totals; "
+          "and max relative error of values and gradients")
+    print(f"{'K':>3} {'floor run':>10}{'floor tot':>10}{'distop run':>11}{'distop tot':>11}"
+          f"{'naive run':>10}{'naive tot':>10}{'distop err':>11}{'naive err':>10}")
+    for k, med, first, errors in rows:
+        print(f"{k:>3} {first['floor'][0]:>10.3f}{first['floor'][1]:>10.3f}"
+              f"{first['distop'][0]:>11.3f}{first['distop'][1]:>11.3f}"
+              f"{first['naive'][0]:>10.3f}{first['naive'][1]:>10.3f}"
+              f"{errors['distop']:>11.1e}{errors['naive']:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Total-derivative assembly on global vectors, finite-difference checks, and the
+cross-rank consistency checks they rely on."""
+
+import dataclasses
+import hashlib
+import time
+
+import numpy as np
+
+from ._comm import mpi
+from ._errors import DerivativeCheckError, DistopError
+
+FORMS = {"central": (1.0, -1.0), "forward": (1.0,), "backward": (-1.0,)}
+
+
+@dataclasses.dataclass
+class TotalsCheck:
+    """The result of checking one `(of, wrt)` block.
+
+    Fields: `J` (from `compute_totals`), `J_fd` (finite differences), `abs_error`
+    (norm of J - J_fd), `rel_error` (abs_error / norm of J_fd), `ok` (within
+    atol + rtol |J_fd| everywhere, on every rank), `inconsistent_ranks` (ranks whose J or
+    J_fd differ from the majority's).
+    """
+
+    J: np.ndarray
+    J_fd: np.ndarray
+    abs_error: float
+    rel_error: float
+    ok: bool
+    inconsistent_ranks: list
+
+
+def assemble(problem, layout, cts, of, wrt, return_format):
+    """Cut the batched cotangents of a reverse pass into `(of, wrt)` blocks.
+
+    **Arguments:**
+    - `problem`: the `Problem`.
+    - `layout`: the `Layout` of the current point.
+    - `cts`: wrt name -> array (global rows of `of`, *local shape of wrt).
+    - `of`, `wrt`: the names, in order.
+    - `return_format`: `"global"` gathers distributed `wrt` columns from every rank;
+      `"local"` keeps this rank's columns and this rank's rows of distributed `of`.
+
+    **Returns:** dict `(of, wrt)` -> 2-D numpy array.
+    """
+    comm, rank = problem.comm, problem.comm.Get_rank()
+    sizes = [layout.global_size(o) for o in of]
+    offsets = np.cumsum([0] + sizes)
+    totals = {}
+    for w in wrt:
+        block = np.asarray(cts[w]).reshape(offsets[-1], -1)
+        if w in layout.counts and return_format == "global":
+            block = gather_columns(comm, block, _flat_counts(layout, w))
+        for o, offset, size in zip(of, offsets, sizes):
+            start, stop = 0, size
+            if return_format == "local" and o in layout.counts:
+                start, stop = layout.local_rows(o, rank)
+            totals[o, w] = block[offset + start:offset + stop].copy()
+    return totals
+
+
+def _flat_counts(layout, name):
+    spec = layout.spec(name)
+    tail = int(np.prod(spec.shape[1:]))
+    return [c * tail for c in layout.counts[name]]
+
+
+def gather_columns(comm, block, counts):
+    """**Returns:** the columns of `block` from every rank, side by side (`counts[r]`
+    columns from rank r), on every rank."""
+    if comm.Get_size() == 1:
+        return block
+    rows = block.shape[0]
+    recv = np.empty((sum(counts), rows), block.dtype)
+    comm.Allgatherv(np.ascontiguousarray(block.T), [recv, [c * rows for c in counts]])
+    return recv.T
+
+
+def gather_rows(comm, block, counts):
+    """**Returns:** the rows of `block` from every rank, stacked (`counts[r]` rows from
+    rank r), on every rank."""
+    if comm.Get_size() == 1:
+        return block
+    cols = block.shape[1]
+    recv = np.empty((sum(counts), cols), block.dtype)
+    comm.Allgatherv(np.ascontiguousarray(block), [recv, [c * cols for c in counts]])
+    return recv
+
+
+def _digest(array):
+    a = np.ascontiguousarray(array)
+    return hashlib.sha256(a.tobytes() + str(a.shape).encode()).hexdigest()[:16]
+
+
+def check_replicated(problem, values, where):
+    """Raise on every rank if a replicated value differs between ranks.
+
+    **Arguments:**
+    - `problem`: the `Problem`.
+    - `values`: name -> numpy array (inputs and outputs of one point).
+    - `where`: the calling method, for the message.
+    """
+    comm = problem.comm
+    names = [k for k in values if k not in problem.distributed]
+    if comm.Get_size() == 1 or not names:
+        return
+    every = comm.allgather([_digest(values[k]) for k in names])
+    bad = [i for i, k in enumerate(names) if len({d[i] for d in every}) > 1]
+    if not bad:
+        return
+    arrays = comm.allgather([np.asarray(values[names[i]]) for i in bad])
+    lines = [f"{where}: replicated values differ between ranks (they must be the same on "
+             "every rank, or be declared in Problem(distributed=...)):"]
+    for j, i in enumerate(bad):
+        ref = arrays[0][j]
+        for rank, mine in enumerate(arrays):
+            if mine[j].shape != ref.shape:
+                lines.append(f"  {names[i]!r}: rank {rank} has shape {mine[j].shape}, rank 0 "
+                             f"{ref.shape}")
+            elif not np.array_equal(mine[j], ref):
+                diff = float(np.max(np.abs(mine[j] - ref)))
+                lines.append(f"  {names[i]!r}: rank {rank} differs from rank 0 by up to "
+                             f"{diff:.3e}")
+    raise DistopError("\n".join(lines))
+
+
+def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream,
+                 raise_on_error, show_only_incorrect):
+    """See `Problem.check_totals`."""
+    if method != "fd":
+        raise ValueError(f"check_totals(method={method!r}): only 'fd' is available.")
+    if form not in FORMS:
+        raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
+    comm, rank = problem.comm, problem.comm.Get_rank()
+    point = problem._point
+    layout = problem._layout(point)
+    of = problem._names("check_totals", "of", of, problem.output_names,
+                        problem._differentiable(layout.outputs))
+    wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,
+                         problem._differentiable(layout.inputs))
+    say = (lambda text: print(text, file=out_stream, flush=True)) if (
+        out_stream is not None and rank == 0) else (lambda text: None)
+    check_replicated(problem, {**point, **problem.run()}, "check_totals")
+    started = time.perf_counter()
+    J = problem.compute_totals(of, wrt)
+    J_fd = _finite_differences(problem, layout, of, wrt, form, step, say)
+    say_progress = time.perf_counter() - started > 5
+    if say_progress:
+        say(f"check_totals: derivatives computed in {time.perf_counter() - started:.1f} s; "
+            "comparing on every rank")
+
+    results = {}
+    keys = [(o, w) for o in of for w in wrt]
+    every = comm.allgather([_digest(J[k]) + _digest(J_fd[k]) for k in keys])
+    for i, k in enumerate(keys):
+        diff = np.abs(J[k] - J_fd[k])
+        abs_error = float(np.linalg.norm(J[k] - J_fd[k]))
+        norm_fd = float(np.linalg.norm(J_fd[k]))
+        rel_error = abs_error / norm_fd if norm_fd else (0.0 if abs_error == 0 else np.inf)
+        ok = bool(np.all(diff <= atol + rtol * np.abs(J_fd[k])))
+        digests = [d[i] for d in every]
+        majority = max(set(digests), key=lambda d: (digests.count(d), d == digests[0]))
+        inconsistent = [r for r, d in enumerate(digests) if d != majority]
+        results[k] = TotalsCheck(J[k], J_fd[k], abs_error, rel_error, ok, inconsistent)
+    oks = comm.allgather([r.ok for r in results.values()])
+    for i, r in enumerate(results.values()):
+        r.ok = all(o[i] for o in oks) and not r.inconsistent_ranks
+
+    if out_stream is not None and rank == 0:
+        _table(results, say, show_only_incorrect)
+    failed = [k for k, r in results.items() if not r.ok]
+    if raise_on_error and failed:
+        raise DerivativeCheckError(
+            "check_totals: derivatives disagree with finite differences or between ranks "
+            "for " + ", ".join(f"({o!r}, {w!r})" + (
+                f" [inconsistent ranks {results[o, w].inconsistent_ranks}]"
+                if results[o, w].inconsistent_ranks else
+                f" [rel error {results[o, w].rel_error:.2e}]") for o, w in failed))
+    return results
+
+
+def _finite_differences(problem, layout, of, wrt, form, step, say):
+    """All perturbations of all `wrt` entries as one batched program call."""
+    comm, rank = problem.comm, problem.comm.Get_rank()
+    signs = FORMS[form]
+    sizes = [layout.global_size(w) for w in wrt]
+    offsets = np.cumsum([0] + sizes)
+    n = offsets[-1]
+    deltas = {}
+    for w, offset in zip(wrt, offsets):
+        spec = layout.inputs[w]
+        delta = np.zeros((len(signs) * n, int(np.prod(spec.shape))), spec.dtype)
+        start, stop = layout.local_rows(w, rank)
+        for s, sign in enumerate(signs):  # this rank perturbs the entries it owns
+            delta[s * n + offset + np.arange(start, stop), np.arange(stop - start)] = sign * step
+        deltas[w] = delta.reshape((len(signs) * n,) + spec.shape)
+    if len(signs) * n > 256:
+        say(f"check_totals: evaluating {len(signs) * n} perturbed points in one batched call")
+    program = problem._program("fd", (tuple(wrt), form, step), layout, extra=(deltas,))
+    values = problem._execute(program, problem._point)
+    base = None if len(signs) == 2 else problem.run()
+    J_fd = {}
+    for o in of:
+        v = values[o].reshape(len(signs) * n, -1)
+        if len(signs) == 2:
+            d = (v[:n] - v[n:]) / (2 * step)
+        else:
+            d = signs[0] * (v - base[o].reshape(1, -1)) / step
+        for w, offset, size in zip(wrt, offsets, sizes):
+            block = np.ascontiguousarray(d[offset:offset + size].T)  # local rows of o
+            if o in layout.counts:
+                block = gather_rows(comm, block, _flat_counts(layout, o))
+            J_fd[o, w] = block
+    return J_fd
+
+
+def _table(results, say, show_only_incorrect):
+    head = (f"{'of':<12} {'wrt':<12} {'shape':<12} {'|J|':>11} {'|J_fd|':>11} "
+            f"{'abs error':>11} {'rel error':>11}  flag")
+    say(head)
+    say("-" * len(head))
+    for (o, w), r in results.items():
+        if show_only_incorrect and r.ok:
+            continue
+        flag = "" if r.ok else ("<-- inconsistent ranks " + str(r.inconsistent_ranks)
+                                if r.inconsistent_ranks else "<-- FAILED")
+        say(f"{o:<12} {w:<12} {str(r.J.shape):<12} {np.linalg.norm(r.J):>11.4e} "
+            f"{np.linalg.norm(r.J_fd):>11.4e} {r.abs_error:>11.4e} {r.rel_error:>11.4e}  "
+            f"{flag}")
+
+
+def shard(n_samples, comm=None):
+    """Split `n_samples` over the ranks so that every rank gets the same count.
+
+    Rank r takes its contiguous share (sizes differ by at most one) and pads it by
+    wrap-around to ceil(n / P) samples; padding samples carry weight 0, so a weighted
+    loss is exact and every rank runs the same number of steps and collectives.
+
+    **Arguments:**
+    - `n_samples`: the number of samples, N >= 1.
+    - `comm`: the communicator (default `MPI.COMM_WORLD`).
+
+    **Returns:** `(indices, weights)`: int64 and float64 arrays of length ceil(N / P).
+    """
+    comm = mpi().COMM_WORLD if comm is None else comm
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if int(n_samples) < 1:
+        raise ValueError(f"shard(n_samples={n_samples}): need at least one sample.")
+    n = int(n_samples)
+    per_rank = -(-n // size)
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    count = base + (rank < extra)
+    indices = (start + np.arange(per_rank)) % n
+    weights = (np.arange(per_rank) < count).astype(np.float64)
+    return indices.astype(np.int64), weights

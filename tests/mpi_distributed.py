@@ -1,0 +1,301 @@
+"""Distributed variables, check_totals and the built-in collectives, under
+`mpiexec -n P python tests/mpi_distributed.py` (run by tests/test_mpi.py); also run
+single-process by tests/test_totals.py. Blocks are uneven and some ranks own none."""
+
+import io
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+import distop
+
+jax.config.update("jax_enable_x64", True)
+from helpers import all_close_everywhere, finish  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.rank, comm.size
+COUNTS = [(3, 0, 2, 1)[r % 4] for r in range(size)] if size > 1 else [4]
+START = sum(COUNTS[:rank])
+N = sum(COUNTS)
+CASES = []
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+def mine(global_array):
+    """This rank's rows of a global array."""
+    return np.array(global_array[START:START + COUNTS[rank]])
+
+
+def check(problem, **kw):
+    out = io.StringIO()
+    results = problem.check_totals(out_stream=out, **kw)
+    assert all(r.ok for r in results.values()), out.getvalue()
+    if rank == 0:
+        assert "rel error" in out.getvalue()
+    return results
+
+
+# -- built-in collectives -------------------------------------------------------------
+@case
+def builtins_pass_check_totals_with_uneven_and_empty_blocks():
+    rng = np.random.default_rng(0)
+    xg = rng.standard_normal(N)
+    c = rng.standard_normal(N)
+
+    def model(x, p):
+        s = distop.AllreduceSum()(jnp.sum(x ** 3))
+        y = distop.Allgather()(jnp.sin(x))
+        q = distop.Split(counts=tuple(COUNTS))(p * p)
+        b = distop.Broadcast(root=size - 1)(jnp.sum(x) * jnp.ones(2))
+        return {"s": s, "f": jnp.dot(c, y) * s, "q": q * x, "b": b}
+
+    problem = distop.Problem(model, {"x": mine(xg), "p": xg + 1.0},
+                             distributed={"x", "q"})
+    out = problem.run()
+    all_close_everywhere(comm, out["s"], np.sum(xg ** 3))
+    all_close_everywhere(comm, out["q"], mine((xg + 1) ** 2 * xg))
+    J = problem.compute_totals()
+    all_close_everywhere(comm, J["s", "x"], 3 * xg[None] ** 2)
+    all_close_everywhere(comm, J["q", "p"], np.diag(2 * (xg + 1) * xg))
+    last = sum(COUNTS[:size - 1])
+    expected_b = np.zeros((2, N))
+    expected_b[:, last:last + COUNTS[-1]] = 1.0
+    all_close_everywhere(comm, J["b", "x"], expected_b)
+    check(problem)
+    local = problem.compute_totals("q", "x", return_format="local")["q", "x"]
+    assert local.shape == (COUNTS[rank], COUNTS[rank])
+
+
+@case
+def alltoall_transpose_and_its_gradient():
+    m = 5
+    xg = np.arange(N * m, dtype=float).reshape(N, m) / 7.0
+    cols = [m // size + (r < m % size) for r in range(size)]
+    start = sum(cols[:rank])
+
+    def model(x):
+        t = distop.Alltoall()(x.T.T * 2.0)  # a jitted double transpose first
+        return {"t": jnp.sin(t)}
+
+    problem = distop.Problem(model, {"x": mine(xg)}, distributed={"x", "t"})
+    t = problem.run()["t"]
+    all_close_everywhere(comm, t, np.sin(2 * xg.T[start:start + cols[rank]]))
+    check(problem)
+    jax_t = jax.jit(lambda x: distop.Alltoall()(jnp.transpose(x.reshape(m, -1)).T.T))
+    assert jax_t(mine(xg).T.copy().reshape(-1)).shape == (cols[rank], N)
+
+
+# -- totals on global vectors ---------------------------------------------------------
+class RowBlock(distop.DistributedOperator):
+    """r = A_r x - b_r for this rank's rows A_r of a global A; x replicated."""
+
+    A: np.ndarray
+    vjp_collectives = ("Allreduce",)
+    batched_vjp = True
+
+    def output_spec(self, x, b):
+        return b
+
+    def forward(self, comm, x, b):
+        return self.A @ x - b
+
+    def vjp(self, comm, r_bar, x, b, *, batched=False):
+        local = np.ascontiguousarray(r_bar @ self.A)  # (B?, n)
+        x_bar = np.empty_like(local)
+        comm.Allreduce(local, x_bar, op=MPI.SUM)
+        return x_bar, -r_bar
+
+
+@case
+def totals_in_all_four_combinations_match_dense_references():
+    rng = np.random.default_rng(1)
+    n = 4
+    a = rng.standard_normal((N, n))
+    bg = rng.standard_normal(N)
+    x = rng.standard_normal(n)
+    op = RowBlock(mine(a))
+
+    def model(x, b):
+        r = op(x, b)
+        return {"r": r, "loss": distop.AllreduceSum()(jnp.sum(r ** 2))}
+
+    problem = distop.Problem(model, {"x": x, "b": mine(bg)}, distributed={"b", "r"})
+    residual = a @ x - bg
+    for mode in ("batched", "loop", "unrolled"):
+        J = problem.compute_totals(mode=mode)
+        all_close_everywhere(comm, J["r", "x"], a)  # distributed of, replicated wrt
+        all_close_everywhere(comm, J["r", "b"], -np.eye(N))  # distributed, distributed
+        all_close_everywhere(comm, J["loss", "x"], 2 * residual[None] @ a)  # repl., repl.
+        all_close_everywhere(comm, J["loss", "b"], -2 * residual[None])  # repl., distr.
+    J = problem.compute_totals(return_format="local")
+    all_close_everywhere(comm, J["r", "x"], mine(a))
+    assert J["r", "b"].shape == (COUNTS[rank], COUNTS[rank])
+    assert J["loss", "b"].shape == (1, COUNTS[rank])
+    check(problem)
+    # an `of` subset that leaves an operator's outputs unused: every VJP still runs
+    only_loss = problem.compute_totals(of="loss", wrt="x")
+    all_close_everywhere(comm, only_loss["loss", "x"], 2 * residual[None] @ a)
+
+
+# -- VJP bugs on one rank -------------------------------------------------------------
+class Scale(distop.DistributedOperator):
+    """y = 3 x (local); the VJP is wrong on `bad_rank` only."""
+
+    bad_rank: int
+    spread: bool
+    vjp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        return 3 * x
+
+    def vjp(self, comm, y_bar, x):
+        g = 3 * y_bar * (1.5 if comm.Get_rank() == self.bad_rank else 1.0)
+        if not self.spread:
+            return g
+        # spread: the bug goes through a collective to every rank
+        total = np.empty_like(g)
+        comm.Allreduce(g / comm.Get_size() if comm.Get_rank() != self.bad_rank
+                       else g - 3 * y_bar * (comm.Get_size() - 1) / comm.Get_size(),
+                       total, op=MPI.SUM)
+        return total
+
+
+@case
+def check_totals_flags_a_vjp_bug_on_one_non_root_rank():
+    if size == 1:
+        return
+    for spread in (False, True):
+        op = Scale(bad_rank=size - 1, spread=spread)
+        problem = distop.Problem(lambda x: {"y": jnp.sum(op(x))}, {"x": np.ones(3)})
+        out = io.StringIO()
+        results = problem.check_totals(out_stream=out)
+        r = results["y", "x"]
+        assert not r.ok, (spread, r)
+        if spread:  # every rank has the same wrong J
+            assert r.inconsistent_ranks == [] and r.rel_error > 0.1, r
+        else:  # only the bad rank's J is wrong
+            assert r.inconsistent_ranks == [size - 1], r
+        if rank == 0:
+            assert ("inconsistent ranks" in out.getvalue()) != spread, out.getvalue()
+        try:
+            problem.check_totals(out_stream=None, raise_on_error=True)
+        except distop.DerivativeCheckError as err:
+            assert "('y', 'x')" in str(err), str(err)
+        else:
+            raise AssertionError("no DerivativeCheckError")
+
+
+class Matvec(distop.DistributedOperator):
+    """y = (sum over ranks of A_r) x, replicated x and y."""
+
+    A: np.ndarray
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
+
+    def forward(self, comm, x):
+        y = np.empty(self.A.shape[0])
+        comm.Allreduce(self.A @ x, y, op=MPI.SUM)
+        return y
+
+    def vjp(self, comm, y_bar, x):
+        x_bar = np.empty(self.A.shape[1])
+        comm.Allreduce(self.A.T @ y_bar, x_bar, op=MPI.SUM)
+        return x_bar
+
+
+@case
+def objective_using_an_operator_on_one_rank_only():
+    a_r = np.arange(6.0).reshape(3, 2) + rank
+    a = sum(np.arange(6.0).reshape(3, 2) + r for r in range(size))
+    x = np.array([0.5, -1.0])
+    op = Matvec(a_r)
+    exact = 2 * (a @ x) @ a
+
+    # Naive: an objective computed on rank 0 only is rank-local, not replicated: a clear
+    # error from the replicated-value checks, never a hang.
+    naive = distop.Problem(lambda x: {"f": jnp.where(rank == 0, jnp.sum(op(x) ** 2), 0.0)},
+                           {"x": x}, check_replicated=True)
+    if size > 1:
+        raises(distop.DistopError, "'f': rank 1 differs from rank 0", naive.run)
+        raises(distop.DistopError, "replicated values differ",
+               lambda: naive.check_totals(out_stream=None))
+
+    # Exact: enter rank-dependent code through RankLocal, leave it through AllreduceSum.
+    def model(x):
+        y = distop.RankLocal()(op(x))
+        return {"f": distop.AllreduceSum()(jnp.where(rank == 0, jnp.sum(y ** 2), 0.0))}
+
+    problem = distop.Problem(model, {"x": x})
+    all_close_everywhere(comm, problem.run()["f"], np.sum((a @ x) ** 2))
+    all_close_everywhere(comm, problem.compute_totals()["f", "x"][0], exact)
+    check(problem)
+
+
+# -- bad input ------------------------------------------------------------------------
+def raises(exc, text, fn):
+    try:
+        fn()
+    except exc as err:
+        assert text in str(err), str(err)
+    else:
+        raise AssertionError(f"no {exc.__name__}")
+
+
+@case
+def bad_input_raises_on_every_rank():
+    if size > 1:
+        x = np.ones((2, 3 if rank == 0 else 4))
+        raises(distop.DistopError, "different shapes",
+               lambda: distop.Problem(lambda x: {"y": x}, {"x": x}, distributed={"x"}))
+        problem = distop.Problem(lambda p: {"y": p * 2.0}, {"p": np.ones(2)},
+                                 check_replicated=True)
+        raises(distop.DistopError, f"'p': rank {size - 1} differs from rank 0",
+               lambda: problem.run(p=np.ones(2) * (1 + (rank == size - 1))))
+        differing = distop.Problem(lambda p: {"y": p * 2.0},
+                                   {"p": np.ones(2) * (1 + (rank == size - 1))})
+        raises(distop.DistopError, "replicated values differ",
+               lambda: differing.check_totals(out_stream=None))
+    problem = distop.Problem(lambda x: {"y": jnp.sum(x)}, {"x": np.ones(2)})
+    raises(ValueError, "no input named 'z'", lambda: problem.check_totals(wrt="z"))
+    raises(ValueError, "no output named 'q'", lambda: problem.compute_totals(of="q"))
+    raises(ValueError, "no input or output named ['w']",
+           lambda: distop.Problem(lambda x: {"y": x}, {"x": np.ones(2)}, distributed={"w"}))
+
+
+@case
+def shard_gives_every_rank_the_same_count():
+    for n in (1, 5, 13):
+        idx, w = distop.shard(n)
+        every = comm.allgather((idx, w))
+        assert len({len(i) for i, _ in every}) == 1
+        real = np.concatenate([i[w > 0] for i, w in every])
+        assert sorted(real.tolist()) == list(range(n))
+        weighted = comm.allreduce(float(np.sum(w * np.arange(n)[idx])))
+        assert weighted == n * (n - 1) / 2
+
+
+if __name__ == "__main__":
+    import traceback
+
+    name = "?"
+    try:
+        for fn in CASES:
+            name = fn.__name__
+            fn()
+            comm.Barrier()
+    except BaseException:
+        print(f"rank {rank} of {size}: FAILED in {name}\n" + traceback.format_exc(),
+              flush=True)
+        comm.Abort(1)
+    finish(comm)
+    sys.exit(0)

@@ -51,11 +51,19 @@ class Layout:
 
 @dataclasses.dataclass
 class Program:
-    """A compiled entry point: the jitted function, its schedule, and fixed arguments."""
+    """A compiled entry point: the jitted function, its schedule, and the fixed
+    arguments after the point (built on first use: they may be large)."""
 
     fn: object
     schedule: tuple
-    extra: tuple = ()
+    make_extra: object = tuple
+    _extra: tuple | None = None
+
+    @property
+    def extra(self):
+        if self._extra is None:
+            self._extra = self.make_extra()
+        return self._extra
 
 
 class Problem:
@@ -235,7 +243,7 @@ class Problem:
 
         return totals
 
-    def _seeds(self, of, layout):
+    def _seeds(self, of, layout, specs_only=False):
         """One unit cotangent per global row of the requested outputs: a row of a
         distributed output only on the rank that owns it, a row of a replicated output on
         every rank; zeros for the other outputs, so every operator's VJP runs whatever
@@ -245,6 +253,10 @@ class Problem:
         sizes = {o: layout.global_size(o) for o in of}
         offsets = dict(zip(of, np.cumsum([0] + [sizes[o] for o in of])))
         total = sum(sizes.values())
+        if specs_only:
+            return {name: jax.ShapeDtypeStruct(
+                (total,) + spec.shape, spec.dtype if np.issubdtype(spec.dtype, np.inexact)
+                else jax.dtypes.float0) for name, spec in layout.outputs.items()}
         seeds = {}
         for name, spec in layout.outputs.items():
             if not np.issubdtype(spec.dtype, np.inexact):
@@ -312,24 +324,36 @@ class Problem:
                                   "rank holds a block of it.")
         return Layout(inputs, outputs, counts)
 
-    def _program(self, name, options, layout, extra=None):
+    def _program(self, name, options, layout, make_extra=tuple):
         """The jitted program of an entry point for `layout`, traced, checked and agreed
-        by every rank the first time it is needed."""
+        by every rank the first time it is needed.
+
+        **Arguments:**
+        - `name`, `options`: the entry point and what selects its program.
+        - `layout`: the `Layout` of the point.
+        - `make_extra`: builds the arguments after the point (default none; the seeds
+          for `compute_totals`).
+        """
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
             fn = jax.jit(self._build(name, options, layout))
-            if extra is None:
-                extra = (self._seeds(options[1], layout),) if name == "compute_totals" else ()
+            if name == "compute_totals":
+                def make_extra():
+                    return (self._seeds(options[1], layout),)
+                specs = (self._seeds(options[1], layout, specs_only=True),)
+            else:
+                specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                     make_extra())
             traced = self._agree(f"{name}: tracing the program",
-                                 lambda: fn.trace(layout.inputs, *extra))
+                                 lambda: fn.trace(layout.inputs, *specs))
             schedule = _schedule.agree(self.comm, name, _schedule.extract(traced.jaxpr))
-            found = self._programs[key] = Program(fn, schedule, extra)
+            found = self._programs[key] = Program(fn, schedule, make_extra)
         return found
 
-    def _execute(self, program, point, *extra):
+    def _execute(self, program, point):
         try:
-            out = program.fn(point, *(extra or program.extra))
+            out = program.fn(point, *program.extra)
             return {k: np.asarray(v) for k, v in out.items()}
         except JaxRuntimeError as err:
             cause = take_error()

@@ -197,7 +197,8 @@ def _finite_differences(problem, layout, of, wrt, form, step, say):
         deltas[w] = delta.reshape((len(signs) * n,) + spec.shape)
     if len(signs) * n > 256:
         say(f"check_totals: evaluating {len(signs) * n} perturbed points in one batched call")
-    program = problem._program("fd", (tuple(wrt), form, step), layout, extra=(deltas,))
+    program = problem._program("fd", (tuple(wrt), form, step), layout,
+                               make_extra=lambda: (deltas,))
     values = problem._execute(program, problem._point)
     base = None if len(signs) == 2 else problem.run()
     J_fd = {}

@@ -5,9 +5,9 @@ timed side by side in one run, interleaved call by call:
 - `hand`: a hand-written numpy + mpi4py script computing the same values and gradients
   (forward Allreduce; gradients with K per-objective Allreduces, `hand-K`, or one
   batched Allreduce of the (K, M) block, `hand`);
-- `floor`: the same jnp work in one jitted program with one empty ordered io_callback
-  in the forward and one batched one in the reverse: the floor of any design built on
-  ordered io_callbacks;
+- `floor`: the same jnp work in one jitted program with one bare ordered io_callback in
+  the forward and one batched one in the reverse, each doing only the hand-written
+  numpy + Allreduce work: the floor of any design built on ordered io_callbacks;
 - `distop`: `Problem.run` and `Problem.compute_totals()` (batched mode);
 - `naive`: distop with `ordered=False` and `mode="unrolled"`: per-objective unordered
   pure callbacks, the lowering graph frameworks emit today (its error is printed too).
@@ -51,22 +51,30 @@ def hand_written(a_local, w, x, batched):
     return f, grads
 
 
-def floor_programs(w, size):
-    """Jitted programs with the same jnp work and empty ordered callbacks."""
+def floor_programs(a_local, w, size):
+    """Jitted programs with the same jnp work and bare ordered callbacks."""
     spec = jax.ShapeDtypeStruct((size,), jnp.float64)
 
-    def empty(*args):
-        return np.zeros(args[0].shape)
+    def forward(x):
+        y = np.empty(size)
+        comm.Allreduce(a_local @ x, y, op=MPI.SUM)
+        return y
+
+    def backward(y_bar):
+        local = np.ascontiguousarray((a_local.T @ y_bar.T).T)
+        x_bar = np.empty_like(local)
+        comm.Allreduce(local, x_bar, op=MPI.SUM)
+        return x_bar
 
     def run(x):
-        y = io_callback(empty, spec, x, ordered=True)
+        y = io_callback(forward, spec, x, ordered=True)
         return w @ y
 
     def totals(x):
-        y = io_callback(empty, spec, x, ordered=True)
+        y = io_callback(forward, spec, x, ordered=True)
         f = w @ y
         y_bar = jnp.eye(w.shape[0]) @ w  # one cotangent row per objective
-        grads = io_callback(empty, jax.ShapeDtypeStruct(w.shape, jnp.float64), y_bar,
+        grads = io_callback(backward, jax.ShapeDtypeStruct(w.shape, jnp.float64), y_bar,
                             ordered=True)
         return f, grads
 
@@ -82,7 +90,7 @@ def first_call(fn):
 
 def measure(k, size, repeat):
     a_local, a_global, x0, w = dm.setup(size, k, comm)
-    floor_run, floor_totals = floor_programs(w, size)
+    floor_run, floor_totals = floor_programs(a_local, w, size)
     xj = jnp.asarray(x0)
     first = {}
     first["floor"] = (first_call(lambda: floor_run(xj).block_until_ready()),

@@ -56,13 +56,21 @@ class Program:
 
     fn: object
     schedule: tuple
+    outputs: dict  # name -> (shape, dtype) of the program's results, before packing
     make_extra: object = tuple
     _extra: tuple | None = None
+    _plan: tuple | None = None
+
+    @property
+    def plan(self):
+        if self._plan is None:
+            self._plan = _unpack_plan(self.outputs)
+        return self._plan
 
     @property
     def extra(self):
         if self._extra is None:
-            self._extra = self.make_extra()
+            self._extra = jax.device_put(self.make_extra())
         return self._extra
 
 
@@ -107,6 +115,7 @@ class Problem:
                                  "a distributed value needs an axis 0 to split.")
         self._layouts = {}
         self._programs = {}
+        self._device = {}
         layout = self._layout(self._point)
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
@@ -229,7 +238,8 @@ class Problem:
         mode, _ = options
         diff_names = self._differentiable(layout.inputs)
 
-        def totals(point, seeds):
+        def totals(point, *packed):
+            seeds = self._split_seeds(packed, layout)
             diff = {k: point[k] for k in diff_names}
             rest = {k: v for k, v in point.items() if k not in diff}
             _, pullback = jax.vjp(lambda d: self._call_model({**rest, **d}), diff)
@@ -247,28 +257,54 @@ class Problem:
         """One unit cotangent per global row of the requested outputs: a row of a
         distributed output only on the rank that owns it, a row of a replicated output on
         every rank; zeros for the other outputs, so every operator's VJP runs whatever
-        `of` asks for. Program arguments, not constants: XLA would spend long
-        constant-folding them in unrolled programs."""
+        `of` asks for. Packed as one (rows, columns) array per dtype, the outputs' columns
+        side by side (`_split_seeds` undoes it in the program). Program arguments, not
+        constants: XLA would spend long constant-folding them in unrolled programs."""
         rank = self.comm.Get_rank()
         sizes = {o: layout.global_size(o) for o in of}
         offsets = dict(zip(of, np.cumsum([0] + [sizes[o] for o in of])))
         total = sum(sizes.values())
+        groups = {}
+        for name, spec in layout.outputs.items():
+            if np.issubdtype(spec.dtype, np.inexact):
+                groups.setdefault(np.dtype(spec.dtype), []).append(name)
+        widths = {d: sum(int(np.prod(layout.outputs[k].shape)) for k in names)
+                  for d, names in groups.items()}
         if specs_only:
-            return {name: jax.ShapeDtypeStruct(
-                (total,) + spec.shape, spec.dtype if np.issubdtype(spec.dtype, np.inexact)
-                else jax.dtypes.float0) for name, spec in layout.outputs.items()}
-        seeds = {}
+            return tuple(jax.ShapeDtypeStruct((total, widths[d]), d) for d in groups)
+        packed = []
+        for dtype, names in groups.items():
+            seed, column = np.zeros((total, widths[dtype]), dtype), 0
+            for name in names:
+                if name in sizes:
+                    start, stop = layout.local_rows(name, rank)
+                    seed[offsets[name] + np.arange(start, stop),
+                         column + np.arange(stop - start)] = 1
+                column += int(np.prod(layout.outputs[name].shape))
+            packed.append(seed)
+        return tuple(packed)
+
+    @staticmethod
+    def _split_seeds(packed, layout):
+        """The per-output cotangent seeds of `_seeds`, inside the program."""
+        packed, seeds, columns = iter(packed), {}, {}
+        current = {}
+        total = None
         for name, spec in layout.outputs.items():
             if not np.issubdtype(spec.dtype, np.inexact):
-                seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
                 continue
-            seed = np.zeros((total, int(np.prod(spec.shape))), spec.dtype)
-            if name in sizes:
-                start, stop = layout.local_rows(name, rank)
-                rows = offsets[name] + np.arange(start, stop)
-                seed[rows, np.arange(stop - start)] = 1
-            seeds[name] = seed.reshape((total,) + spec.shape)
-        return seeds
+            dtype = np.dtype(spec.dtype)
+            if dtype not in current:
+                current[dtype], columns[dtype] = next(packed), 0
+                total = current[dtype].shape[0]
+            n = int(np.prod(spec.shape))
+            seeds[name] = current[dtype][:, columns[dtype]:columns[dtype] + n].reshape(
+                (total,) + spec.shape)
+            columns[dtype] += n
+        for name, spec in layout.outputs.items():
+            if name not in seeds:
+                seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
+        return {name: seeds[name] for name in layout.outputs}
 
     def _layout(self, point):
         """Agree with every rank on the shapes of `point` (one small collective per
@@ -337,29 +373,43 @@ class Problem:
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
-            fn = jax.jit(self._build(name, options, layout))
+            body, outputs = self._build(name, options, layout), {}
+
+            def packed(*args):
+                values = body(*args)
+                outputs.update({k: (v.shape, v.dtype) for k, v in values.items()})
+                return _pack(values)
+
+            fn = jax.jit(packed)
             if name == "compute_totals":
                 def make_extra():
-                    return (self._seeds(options[1], layout),)
-                specs = (self._seeds(options[1], layout, specs_only=True),)
+                    return self._seeds(options[1], layout)
+                specs = self._seeds(options[1], layout, specs_only=True)
             else:
                 specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                      make_extra())
             traced = self._agree(f"{name}: tracing the program",
                                  lambda: fn.trace(layout.inputs, *specs))
             schedule = _schedule.agree(self.comm, name, _schedule.extract(traced.jaxpr))
-            found = self._programs[key] = Program(fn, schedule, make_extra)
+            found = self._programs[key] = Program(fn, schedule, outputs, make_extra)
         return found
 
     def _execute(self, program, point):
         try:
-            out = program.fn(point, *program.extra)
-            return {k: np.asarray(v) for k, v in out.items()}
+            return _unpack(program.fn(self._on_device(point), *program.extra), program.plan)
         except JaxRuntimeError as err:
             cause = take_error()
             if cause is not None:
                 raise cause from None
             raise err
+
+    def _on_device(self, point):
+        """The point's arrays on the device, transferred once per new array."""
+        cache = self._device
+        for k, v in point.items():
+            if cache.get(k, (None,))[0] is not v:
+                cache[k] = (v, jax.device_put(v))
+        return {k: cache[k][1] for k in point}
 
     def _agree(self, what, thunk):
         """Run `thunk` on every rank; if it raises on any rank, raise on every rank."""
@@ -410,6 +460,37 @@ def _as_input(where, value):
                         "silently round it. Call jax.config.update('jax_enable_x64', True) "
                         "first, or pass float32.")
     return array
+
+
+def _pack(values):
+    """Concatenate a dict of arrays into one flat array per dtype: a program with few
+    outputs dispatches faster than one with many."""
+    groups = {}
+    for k, v in values.items():
+        groups.setdefault(jnp.dtype(v.dtype), []).append(v.ravel())
+    return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values())
+
+
+def _unpack(arrays, plan):
+    """The inverse of `_pack`, as numpy views of the program's results.
+
+    **Arguments:**
+    - `arrays`: the packed results.
+    - `plan`: from `_unpack_plan`.
+    """
+    groups = [np.asarray(a) for a in arrays]
+    return {k: groups[g][start:stop].reshape(shape) for k, g, start, stop, shape in plan}
+
+
+def _unpack_plan(outputs):
+    """**Returns:** (name, group, start, stop, shape) for every output of `_pack`."""
+    groups, plan = {}, []
+    for k, (shape, dtype) in outputs.items():
+        g, start = groups.get(np.dtype(dtype), (len(groups), 0))
+        stop = start + int(np.prod(shape))
+        groups[np.dtype(dtype)] = (g, stop)
+        plan.append((k, g, start, stop, tuple(shape)))
+    return tuple(plan)
 
 
 def _stable_hash(obj):

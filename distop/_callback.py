@@ -12,7 +12,8 @@ import traceback
 
 import numpy as np
 
-from ._errors import OperatorError
+from . import _safety
+from ._errors import CollectiveMismatchError, OperatorError
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
@@ -66,37 +67,63 @@ class HostCall:
                        inspect.signature(self.method).parameters else {})
         self.n_user_results = (len(arg_specs) - n_cotangents if phase == "vjp"
                                else len(result_specs))
+        self.where = f"{type(op).__name__}.{phase}"
+        self.declared = tuple(getattr(op, phase + "_collectives", ()))
+        self.checker = None
+        if (_safety.settings.check_collectives and comm is not None
+                and comm.Get_size() > 1):
+            from ._comm import checker
+
+            self.checker = checker(comm)
 
     # -- what XLA calls -------------------------------------------------------------
     def __call__(self, *args):
-        try:
-            if not self.batch_shape:
-                return self._check(self._invoke(args), ())
-            if self.batched:
-                return self._call_batched(args)
-            return self._call_rows(args)
-        except BaseException as err:  # noqa: BLE001 - every failure must be reported
-            self._fail(err)
+        with _safety.watchdog.watch(self.where):
+            try:
+                comm = self.comm
+                if self.checker is not None:
+                    comm = _safety.CheckedComm(self.comm, self.checker, self.where)
+                if not self.batch_shape:
+                    results = self._check(self._invoke(args, comm), ())
+                elif self.batched:
+                    results = self._call_batched(args, comm)
+                else:
+                    results = self._call_rows(args, comm)
+                if self.checker is not None:
+                    self._check_declared(comm.issued)
+                    self.checker.agree(("finished", self.where))
+                return results
+            except BaseException as err:  # noqa: BLE001 - every failure must be reported
+                self._fail(err)
+
+    def _check_declared(self, issued):
+        # mpi4py's lower-case methods are the same collectives on Python objects.
+        declared = {name.lower() for name in self.declared}
+        undeclared = sorted({name for name in issued if name.lower() not in declared})
+        if undeclared:
+            raise OperatorError(self._say(
+                f"issued {undeclared}, not declared in {self.phase}_collectives="
+                f"{self.declared}; declare every collective the method issues"))
 
     # -- helpers --------------------------------------------------------------------
-    def _invoke(self, args):
+    def _invoke(self, args, comm):
         args = [np.asarray(a, order="C") for a in args]
         if self.phase == "vjp":
             k = self.n_cotangents
             ct = tuple(args[:k]) if k > 1 else args[0]
-            return self.method(self.comm, ct, *args[k:], **self.kwargs)
-        return self.method(self.comm, *args, **self.kwargs)
+            return self.method(comm, ct, *args[k:], **self.kwargs)
+        return self.method(comm, *args, **self.kwargs)
 
-    def _call_rows(self, args):
+    def _call_rows(self, args, comm):
         outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]
         for idx in np.ndindex(*self.batch_shape):
             row = [a[tuple(i for i, on in zip(idx, lv) if on)]
                    for a, lv in zip(args, self.levels)]
-            for out, r in zip(outs, self._check(self._invoke(row), (), idx)):
+            for out, r in zip(outs, self._check(self._invoke(row, comm), (), idx)):
                 out[idx] = r
         return tuple(outs)
 
-    def _call_batched(self, args):
+    def _call_batched(self, args, comm):
         n = int(np.prod(self.batch_shape))
         full = []
         for a, lv, spec in zip(args, self.levels, self.arg_specs):
@@ -106,7 +133,7 @@ class HostCall:
                               + spec.shape)
                 a = np.broadcast_to(a, self.batch_shape + spec.shape)
             full.append(a.reshape((n,) + spec.shape))
-        results = self._check(self._invoke(full), (n,))
+        results = self._check(self._invoke(full, comm), (n,))
         return tuple(r.reshape(self.batch_shape + s.shape)
                      for r, s in zip(results, self.result_specs))
 
@@ -129,7 +156,7 @@ class HostCall:
             if r is None:
                 raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
                                               "return zeros for a zero cotangent"))
-            r = np.asarray(r)
+            r = np.asarray(r, order="C")
             shape = batch + spec.shape
             if r.shape != shape or r.dtype != spec.dtype:
                 raise OperatorError(self._say(
@@ -146,11 +173,20 @@ class HostCall:
 
     def _fail(self, err):
         global _last_error
-        if not isinstance(err, OperatorError):
+        if not isinstance(err, (OperatorError, CollectiveMismatchError)):
             err = OperatorError(self._say(f"raised {type(err).__name__}: {err}"))
             err.__cause__ = sys.exc_info()[1]
         size = self.comm.Get_size() if self.comm is not None else 1
-        if size > 1:
+        if self.checker is not None and not isinstance(err, CollectiveMismatchError):
+            # Checking mode: tell the other ranks (they meet this message at their next
+            # check), so that every rank raises instead of aborting the job.
+            sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}")
+            sys.stderr.flush()
+            try:
+                self.checker.agree(("failed", self.where))
+            except CollectiveMismatchError as mismatch:
+                err = CollectiveMismatchError(f"{err}\n{mismatch}")
+        elif size > 1 and not isinstance(err, CollectiveMismatchError):
             # The other ranks may already wait in a collective (this operator's or a later
             # one) and cannot be told: report where we stand and end the job, never hang.
             sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}"

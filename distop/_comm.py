@@ -1,33 +1,111 @@
 """MPI access: lazy import, private duplicated communicators, small agreement helpers."""
 
+import os
+import sys
 import threading
 
 import numpy as np
 
-from ._errors import MPIUnavailableError
+from . import _launch
+from ._errors import LauncherMismatchError, MPIUnavailableError
 
 _private = {}
 _lock = threading.Lock()
+_unavailable = None  # why mpi4py.MPI could not load, once tried
 
 
-def mpi():
-    """Import `mpi4py.MPI`, or raise a clear error saying what to install.
+def start():
+    """Load MPI, checking the launcher against the library before and after `MPI_Init`.
 
-    **Returns:** the `mpi4py.MPI` module.
+    If mpi4py has not started MPI yet, distop loads `mpi4py.MPI` without starting it,
+    checks the environment against the library, then starts it (thread level MULTIPLE:
+    callbacks run on XLA's threads). Called at `import distop`.
+
+    **Returns:** the `mpi4py.MPI` module, or None if no MPI library can be loaded.
+
+    **Raises:** `LauncherMismatchError` naming the library, the launcher and the fix.
     """
+    global _unavailable
+    already = "mpi4py.MPI" in sys.modules
     try:
-        from mpi4py import MPI
+        import mpi4py
+
+        if not already:
+            initialize, finalize = mpi4py.rc.initialize, mpi4py.rc.finalize
+            mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
+        try:
+            from mpi4py import MPI
+        finally:
+            if not already:
+                mpi4py.rc.initialize, mpi4py.rc.finalize = initialize, finalize
     except ImportError as err:  # mpi4py missing, or it found no libmpi
-        raise MPIUnavailableError(
-            f"distop needs an MPI library but mpi4py could not load one ({err}). "
-            "Install one with `pip install 'distop[mpich]'` (the mpich wheel, which also "
-            "brings mpiexec), or point mpi4py at your cluster's MPI (module load mpi)."
-        ) from err
+        _unavailable = err
+        return None
+    check = not _launch.skip()
+    if not MPI.Is_initialized():
+        problem = check and _launch.diagnose(os.environ, MPI.Get_library_version())
+        if problem:
+            raise LauncherMismatchError(problem + " (DISTOP_SKIP_LAUNCH_CHECK=1 skips "
+                                        "this check.)")
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    problem = check and _launch.diagnose(os.environ, MPI.Get_library_version(),
+                                         MPI.COMM_WORLD.Get_size())
+    if problem:
+        raise LauncherMismatchError(problem + " (DISTOP_SKIP_LAUNCH_CHECK=1 skips this "
+                                    "check.)")
     return MPI
 
 
+def mpi():
+    """The `mpi4py.MPI` module, or a clear error saying what to install.
+
+    **Raises:** `MPIUnavailableError` if no MPI library could be loaded.
+    """
+    module = sys.modules.get("mpi4py.MPI")
+    if module is not None and _unavailable is None:
+        return module
+    raise MPIUnavailableError(
+        f"this needs MPI, but mpi4py could not load an MPI library ({_unavailable}). "
+        "Install one with `pip install 'distop[mpich]'` (the mpich wheel, which also "
+        "brings mpiexec), or load your cluster's MPI (e.g. `module load mpi`) and "
+        "reinstall mpi4py against it.")
+
+
+class SingleProcess:
+    """Stands in for `MPI.COMM_WORLD` when no MPI library can be loaded: one rank.
+
+    Anything that would communicate raises `MPIUnavailableError` saying what to install.
+    """
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    rank, size = 0, 1
+
+    def py2f(self):
+        return -1
+
+    def Dup(self):
+        return self
+
+    def allgather(self, value):
+        return [value]
+
+    def Abort(self, code=1):
+        os._exit(code)
+
+    def __getattr__(self, name):
+        mpi()  # raises the clear error
+        raise AttributeError(name)
+
+
 def world():
-    """**Returns:** `MPI.COMM_WORLD`."""
+    """**Returns:** `MPI.COMM_WORLD`, or a single-process stand-in without MPI."""
+    if _unavailable is not None:
+        return SingleProcess()
     return mpi().COMM_WORLD
 
 
@@ -50,7 +128,45 @@ def private(comm):
             dup = _private[key] = comm.Dup()
             # A private duplicate of a duplicate is itself.
             _private[dup.py2f()] = dup
+            _abort_on_uncaught_exception(dup)
     return dup
+
+
+def _abort_on_uncaught_exception(comm):
+    """With several ranks, an uncaught exception on one rank would leave the others
+    waiting in their next collective: print it and abort the job instead.
+    `DISTOP_ABORT_ON_EXCEPTION=0` keeps Python's own handling."""
+    if comm.Get_size() == 1 or getattr(sys.excepthook, "_distop", False):
+        return
+    if os.environ.get("DISTOP_ABORT_ON_EXCEPTION", "1") in ("", "0"):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.write(f"distop: uncaught {kind.__name__} on rank {comm.Get_rank()}; "
+                         f"aborting all {comm.Get_size()} ranks so none waits forever.\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    hook._distop = True
+    sys.excepthook = hook
+
+
+_checkers = {}
+
+
+def checker(comm):
+    """The `Checker` of a private communicator: a further duplicate for the checking
+    mode's agreement messages (created at trace time, like `private`)."""
+    from ._safety import Checker
+
+    key = comm.py2f()
+    with _lock:
+        found = _checkers.get(key)
+        if found is None:
+            found = _checkers[key] = Checker(comm.Dup())
+    return found
 
 
 def all_equal(comm, value):

@@ -24,6 +24,15 @@ class ScheduleMismatchError(DistopError, RuntimeError):
     """
 
 
+class CollectiveMismatchError(DistopError, RuntimeError):
+    """In checking mode, ranks were about to issue different collectives (or one rank was
+    elsewhere). Raised on every rank, naming what each rank was doing."""
+
+
+class LauncherMismatchError(DistopError, RuntimeError):
+    """The launcher and the MPI library do not match (raised at import or MPI start)."""
+
+
 class MPIUnavailableError(DistopError, ImportError):
     """mpi4py cannot load an MPI library, but MPI was needed."""
 

@@ -3,13 +3,14 @@
 import dataclasses
 import hashlib
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _comm, _schedule, _totals
+from . import _comm, _safety, _schedule, _totals
 from ._callback import take_error
 from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError
@@ -58,6 +59,7 @@ class Program:
     schedule: tuple
     outputs: dict  # name -> (shape, dtype) of the program's results, before packing
     make_extra: object = tuple
+    checker: object = None
     _extra: tuple | None = None
     _plan: tuple | None = None
 
@@ -116,6 +118,7 @@ class Problem:
         self._layouts = {}
         self._programs = {}
         self._device = {}
+        self._warned_loop = False
         layout = self._layout(self._point)
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
@@ -228,14 +231,21 @@ class Problem:
                             "a dict of output name -> array.")
         return {k: jnp.asarray(v) for k, v in out.items()}
 
-    def _build(self, name, options, layout):
+    def _build(self, name, options, layout, vectorize=True):
+        """The function of an entry point; `vectorize=False` replaces `vmap` over seeds
+        or perturbations by a sequential loop (for models JAX cannot vmap)."""
+        def batch(fn, xs):
+            return jax.vmap(fn)(xs) if vectorize else lax.map(fn, xs)
+
         if name == "run":
             return lambda point: self._call_model(point)
         if name == "fd":
-            return lambda point, deltas: jax.vmap(
-                lambda d: self._call_model({**point, **{k: point[k] + d[k] for k in d}})
-            )(deltas)
+            return lambda point, deltas: batch(
+                lambda d: self._call_model({**point, **{k: point[k] + d[k] for k in d}}),
+                deltas)
         mode, _ = options
+        if mode == "batched" and not vectorize:
+            mode = "loop"
         diff_names = self._differentiable(layout.inputs)
 
         def totals(point, *packed):
@@ -317,7 +327,8 @@ class Problem:
             mine = np.array([_stable_hash(fixed)] + [point[k].shape[0] for k in dist_inputs],
                             dtype=np.int64)
             every = np.empty((self.comm.Get_size(), mine.size), np.int64)
-            self.comm.Allgather(mine, every)
+            with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
+                self.comm.Allgather(mine, every)
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed)
                 raise DistopError(
@@ -373,14 +384,6 @@ class Problem:
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
-            body, outputs = self._build(name, options, layout), {}
-
-            def packed(*args):
-                values = body(*args)
-                outputs.update({k: (v.shape, v.dtype) for k, v in values.items()})
-                return _pack(values)
-
-            fn = jax.jit(packed)
             if name == "compute_totals":
                 def make_extra():
                     return self._seeds(options[1], layout)
@@ -388,15 +391,50 @@ class Problem:
             else:
                 specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                      make_extra())
-            traced = self._agree(f"{name}: tracing the program",
-                                 lambda: fn.trace(layout.inputs, *specs))
-            schedule = _schedule.agree(self.comm, name, _schedule.extract(traced.jaxpr))
-            found = self._programs[key] = Program(fn, schedule, outputs, make_extra)
+            try:
+                fn, outputs, traced = self._trace(name, options, layout, specs, True)
+            except NotImplementedError as err:
+                if "not supported in vmap" not in str(err):
+                    raise
+                # jax refuses to vmap ordered callbacks inside lax.cond: run the seeds or
+                # perturbations one after another instead, in a loop.
+                if not self._warned_loop:
+                    self._warned_loop = True
+                    warnings.warn(f"{name}: the model has an operator inside lax.cond (or "
+                                  "another construct jax cannot vmap with ordered "
+                                  "callbacks), so seeds and finite-difference perturbations "
+                                  "run in a loop, one per iteration, instead of one batch.",
+                                  stacklevel=3)
+                fn, outputs, traced = self._trace(name, options, layout, specs, False)
+            with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
+                schedule = _schedule.agree(self.comm, name, _schedule.extract(traced.jaxpr))
+            checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
+                       and self.comm.Get_size() > 1 else None)
+            found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker)
         return found
+
+    def _trace(self, name, options, layout, specs, vectorize):
+        body, outputs = self._build(name, options, layout, vectorize), {}
+
+        def packed(*args):
+            values = body(*args)
+            outputs.update({k: (v.shape, v.dtype) for k, v in values.items()})
+            return _pack(values)
+
+        fn = jax.jit(packed)
+        traced = self._agree(f"{name}: tracing the program",
+                             lambda: fn.trace(layout.inputs, *specs))
+        return fn, outputs, traced
 
     def _execute(self, program, point):
         try:
-            return _unpack(program.fn(self._on_device(point), *program.extra), program.plan)
+            values = _unpack(program.fn(self._on_device(point), *program.extra), program.plan)
+            if program.checker is not None:
+                # A rank whose program skipped a collective (rank-dependent control flow)
+                # meets the others' next collective here, and every rank raises.
+                with _safety.watchdog.watch("Problem: end of program"):
+                    program.checker.agree(("end of program",))
+            return values
         except JaxRuntimeError as err:
             cause = take_error()
             if cause is not None:
@@ -418,8 +456,9 @@ class Problem:
         except Exception as err:  # noqa: BLE001 - reported collectively below
             result, error = None, err
         if self.comm.Get_size() > 1:
-            failed = self.comm.allgather(None if error is None
-                                         else f"{type(error).__name__}: {error}")
+            with _safety.watchdog.watch(f"Problem: {what}"):
+                failed = self.comm.allgather(None if error is None
+                                             else f"{type(error).__name__}: {error}")
             if any(failed) and error is None:
                 raise DistopError(f"{what} failed on other ranks:\n" + "\n".join(
                     f"  rank {r}: {m}" for r, m in enumerate(failed) if m))

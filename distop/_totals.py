@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from ._comm import mpi
+from ._comm import world
 from ._errors import DerivativeCheckError, DistopError
 
 FORMS = {"central": (1.0, -1.0), "forward": (1.0,), "backward": (-1.0,)}
@@ -244,7 +244,7 @@ def shard(n_samples, comm=None):
 
     **Returns:** `(indices, weights)`: int64 and float64 arrays of length ceil(N / P).
     """
-    comm = mpi().COMM_WORLD if comm is None else comm
+    comm = world() if comm is None else comm
     size, rank = comm.Get_size(), comm.Get_rank()
     if int(n_samples) < 1:
         raise ValueError(f"shard(n_samples={n_samples}): need at least one sample.")

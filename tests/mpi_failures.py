@@ -1,0 +1,84 @@
+"""Failure scenarios, one per launch: `mpiexec -n P python tests/mpi_failures.py NAME`.
+
+Each must end quickly with a non-zero exit code and a message naming the rank and the
+operator (tests/test_safety.py runs them with a short watchdog).
+"""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from mpi4py import MPI
+
+import distop
+
+jax.config.update("jax_enable_x64", True)
+comm = MPI.COMM_WORLD
+BAD = comm.size - 1  # the misbehaving rank: never rank 0
+
+
+class Flaky(distop.DistributedOperator):
+    """An allreduce-sum whose forward or vjp raises on one rank."""
+
+    fail_in: str = ""
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        if self.fail_in == "forward" and comm.Get_rank() == BAD:
+            raise RuntimeError("disk quota exceeded")
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    def vjp(self, comm, y_bar, x):
+        if self.fail_in == "vjp" and comm.Get_rank() == BAD:
+            raise RuntimeError("singular block")
+        out = np.empty_like(y_bar)
+        comm.Allreduce(y_bar, out, op=MPI.SUM)
+        return out
+
+
+class Undeclared(distop.DistributedOperator):
+    forward_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        comm.Barrier()
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+
+def main(scenario):
+    x = np.ones(3)
+    if scenario in ("forward_raises", "vjp_raises"):
+        op = Flaky(fail_in=scenario.split("_")[0])
+        problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": x})
+        problem.run()
+        problem.compute_totals()
+    elif scenario == "rank_skips_operator":
+        op = Flaky()
+        skip = comm.rank == BAD
+        problem = distop.Problem(
+            lambda x: {"f": lax.cond(skip, lambda x: x, lambda x: op(x), x).sum()}, {"x": x})
+        problem.run()
+    elif scenario == "rank_exits_early":
+        op = Flaky()
+        problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": x})
+        if comm.rank == BAD:
+            print(f"rank {comm.rank}: exiting early", flush=True)
+            sys.exit(0)
+        problem.run()
+    elif scenario == "undeclared_collective":
+        problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
+        problem.run()
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(f"rank {comm.rank}: scenario {scenario} finished without an error", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,137 @@
+"""Failures end loudly on every rank, never in a hang; launcher guardrails; checking mode."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import distop
+from distop._launch import diagnose
+from helpers import ROOT, TESTS, run_mpi
+
+MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
+OPEN_MPI = "Open MPI v5.0.3, package: Open MPI Distribution, ident: 5.0.3"
+
+SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the bad rank)
+    ("forward_raises", False, "Flaky.forward on rank {bad}: raised RuntimeError"),
+    ("vjp_raises", False, "Flaky.vjp on rank {bad}: raised RuntimeError"),
+    ("forward_raises", True, "Rank {bad} is running step #1: failed Flaky.forward"),
+    ("rank_skips_operator", False, "of {n} has waited"),
+    ("rank_skips_operator", True, "Rank {bad} is running step #1: end of program"),
+    ("rank_exits_early", False, "of {n} has waited"),
+    ("undeclared_collective", True, "issued ['Barrier'], not declared"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("scenario, checking, expected", SCENARIOS,
+                         ids=[f"{s}{'-checking' if c else ''}" for s, c, _ in SCENARIOS])
+def test_failure_ends_every_rank_with_a_clear_message(scenario, checking, expected, nprocs):
+    env = {"DISTOP_WATCHDOG": "8", "DISTOP_CHECK_COLLECTIVES": "1" if checking else "0"}
+    started = time.monotonic()
+    code, out = run_mpi(nprocs, TESTS / "mpi_failures.py", scenario, timeout=90,
+                        expect_ok=False, env=env)
+    assert time.monotonic() - started <= 60, out
+    assert code != 0, out
+    assert expected.format(bad=nprocs - 1, n=nprocs) in out, out
+    if "watchdog" in out:
+        assert "Flaky.forward" in out or "agreeing" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script, args", [("mpi_cases.py", ("core",)),
+                                          ("mpi_distributed.py", ())])
+def test_checking_mode_passes_correct_programs(script, args):
+    run_mpi(2, TESTS / script, *args, timeout=300, env={"DISTOP_CHECK_COLLECTIVES": "1"})
+
+
+@pytest.mark.parametrize("env, library, world, expected", [
+    ({"PMIX_RANK": "0", "PMIX_NAMESPACE": "job"}, MPICH, None, "unsupported PMI version PMIx"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, MPICH, None, "Open MPI's mpiexec"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "1", "PMI_FD": "9"}, OPEN_MPI, None, "world of size 1"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "1"}, MPICH, 1, "started 4 processes"),
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"}, MPICH, 1, "srun --mpi=pmi2"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "1"}, MPICH, None, None),
+    ({"PMI_SIZE": "4", "PMI_RANK": "1"}, MPICH, 4, None),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, OPEN_MPI, 2, None),
+    ({}, MPICH, 1, None),
+])
+def test_launcher_diagnosis(env, library, world, expected):
+    found = diagnose(env, library, world)
+    if expected is None:
+        assert found is None
+    else:
+        assert expected in found and "Fix:" in found
+
+
+def _python(code, **env):
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=environment, timeout=120)
+
+
+def test_import_under_a_mismatched_launcher_fails_clearly():
+    proc = _python("import distop", PMIX_RANK="0", PMIX_NAMESPACE="job")
+    assert proc.returncode != 0
+    assert "LauncherMismatchError" in proc.stderr and "MPICH" in proc.stderr
+    ok = _python("import distop", PMIX_RANK="0", PMIX_NAMESPACE="job",
+                 DISTOP_SKIP_LAUNCH_CHECK="1")
+    assert "LauncherMismatchError" not in ok.stderr
+
+
+def test_without_an_mpi_library_single_process_use_works_and_says_what_to_install():
+    proc = _python(
+        "import sys; sys.modules['mpi4py.MPI'] = None\n"
+        "import jax, numpy as np, jax.numpy as jnp, distop\n"
+        "jax.config.update('jax_enable_x64', True)\n"
+        "class Twice(distop.DistributedOperator):\n"
+        "    def forward(self, comm, x): return 2 * x\n"
+        "    def vjp(self, comm, g, x): return 2 * g\n"
+        "p = distop.Problem(lambda x: {'y': Twice()(x)}, {'x': np.ones(2)})\n"
+        "assert p.compute_totals()['y', 'x'].tolist() == [[2, 0], [0, 2]]\n"
+        "try:\n"
+        "    distop.AllreduceSum()(jnp.ones(2)).block_until_ready()\n"
+        "except Exception as err:\n"
+        "    print('ERROR', err)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "ERROR" in proc.stdout and "pip install 'distop[mpich]'" in proc.stdout
+
+
+def test_configure_and_environment():
+    before = distop.configure()
+    try:
+        s = distop.configure(check_collectives=True, watchdog=5)
+        assert s.check_collectives and s.watchdog == 5.0
+    finally:
+        distop.configure(check_collectives=before.check_collectives, watchdog=600)
+    proc = _python("import distop; s = distop.configure(); "
+                   "print(s.check_collectives, s.watchdog)",
+                   DISTOP_CHECK_COLLECTIVES="1", DISTOP_WATCHDOG="42")
+    assert proc.stdout.split() == ["True", "42.0"], proc.stderr
+
+
+class Seen(distop.DistributedOperator):
+    log: list
+
+    def forward(self, comm, x):
+        self.log.append((x.flags.c_contiguous, x.copy()))
+        return x.sum(axis=0)
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+
+def test_user_code_gets_row_major_arrays_whatever_xla_did():
+    a = np.arange(12.0).reshape(3, 4)
+    log = []
+    f = jax.jit(lambda a: Seen(log)(jnp.transpose(a.reshape(4, 3))[::-1]))
+    np.testing.assert_array_equal(f(a), a.reshape(4, 3).T[::-1].sum(axis=0))
+    contiguous, seen = log[0]
+    assert contiguous
+    np.testing.assert_array_equal(seen, a.reshape(4, 3).T[::-1])

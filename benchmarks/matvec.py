@@ -8,7 +8,9 @@ timed side by side in one run, interleaved call by call:
 - `floor`: the same jnp work in one jitted program with one bare ordered io_callback in
   the forward and one batched one in the reverse, each doing only the hand-written
   numpy + Allreduce work: the floor of any design built on ordered io_callbacks;
-- `distop`: `Problem.run` and `Problem.compute_totals()` (batched mode);
+- `distop`: `Problem.run` and `Problem.compute_totals()` (batched mode), default
+  settings; `no-watch`: the same with the watchdog off (the cost of the default safety
+  net); `checking`: with the run-time checking mode on (DISTOP_CHECK_COLLECTIVES=1);
 - `naive`: distop with `ordered=False` and `mode="unrolled"`: per-objective unordered
   pure callbacks, the lowering graph frameworks emit today (its error is printed too).
 Per-call times are the max over ranks of the median over `--repeat` calls; first-call
@@ -81,6 +83,17 @@ def floor_programs(a_local, w, size):
     return jax.jit(run), jax.jit(totals)
 
 
+def without_watchdog(fn):
+    def call():
+        watchdog = distop.configure().watchdog
+        distop.configure(watchdog=0)
+        try:
+            return fn()
+        finally:
+            distop.configure(watchdog=watchdog)
+    return call
+
+
 def first_call(fn):
     comm.Barrier()
     t = time.perf_counter()
@@ -101,11 +114,15 @@ def measure(k, size, repeat):
         holder[name] = distop.Problem(dm.build(a_local, w, "reverse", **kw), {"x": x0})
         holder[name].run()
 
-    mode = {"distop": "batched", "naive": "unrolled"}
+    mode = {"distop": "batched", "naive": "unrolled", "checking": "batched"}
     first["distop"] = (first_call(lambda: make("distop")),
                        first_call(lambda: holder["distop"].compute_totals()))
     first["naive"] = (first_call(lambda: make("naive", ordered=False)),
                       first_call(lambda: holder["naive"].compute_totals(mode="unrolled")))
+    distop.configure(check_collectives=True)  # applies to programs traced from now on
+    make("checking")
+    holder["checking"].compute_totals()
+    distop.configure(check_collectives=False)
     first["hand"] = (0.0, 0.0)
     errors = {name: comm.allreduce(dm.errors(holder[name], a_global, x0, w, mode[name]),
                                    op=MPI.MAX) for name in holder}
@@ -117,6 +134,9 @@ def measure(k, size, repeat):
         "floor": (lambda: floor_run(xj).block_until_ready(),
                   lambda: jax.block_until_ready(floor_totals(xj))),
         "distop": (holder["distop"].run, holder["distop"].compute_totals),
+        "no-watch": (without_watchdog(holder["distop"].run),
+                     without_watchdog(holder["distop"].compute_totals)),
+        "checking": (holder["checking"].run, holder["checking"].compute_totals),
         "naive": (holder["naive"].run,
                   lambda: holder["naive"].compute_totals(mode="unrolled")),
     }
@@ -146,25 +166,26 @@ def main():
         return
     print(f"# distributed matvec, {comm.size} ranks, M={args.size}; per call: max over ranks "
           f"of the median of {args.repeat} interleaved calls (ms); jax {jax.__version__}")
-    head = (f"{'K':>3} {'entry':<15}{'hand':>8}{'hand-K':>8}{'floor':>8}{'distop':>8}"
-            f"{'naive':>8}{'d/floor':>9}{'d/hand':>8}{'naive/d':>9}")
-    print(head)
+    names = ("hand", "hand-K", "floor", "distop", "no-watch", "checking", "naive")
+    print(f"{'K':>3} {'entry':<15}" + "".join(f"{n:>9}" for n in names)
+          + f"{'d/floor':>9}{'d/hand':>8}{'d/no-w':>8}{'chk/d':>7}{'naive/d':>9}")
     for k, med, first, errors in rows:
         for which, entry in enumerate(("run", "compute_totals")):
-            m = {name: 1e3 * med[name, which] for name in ("hand", "hand-K", "floor",
-                                                            "distop", "naive")}
-            print(f"{k:>3} {entry:<15}" + "".join(f"{m[n]:>8.3f}" for n in m)
+            m = {name: 1e3 * med[name, which] for name in names}
+            print(f"{k:>3} {entry:<15}" + "".join(f"{m[n]:>9.3f}" for n in names)
                   + f"{m['distop'] / m['floor']:>9.2f}{m['distop'] / m['hand']:>8.2f}"
+                  + f"{m['distop'] / m['no-watch']:>8.2f}{m['checking'] / m['distop']:>7.2f}"
                   + f"{m['naive'] / m['distop']:>9.2f}")
     print("\n# first call (s): Problem creation + first run, then first compute_totals; "
           "and max relative error of values and gradients")
     print(f"{'K':>3} {'floor run':>10}{'floor tot':>10}{'distop run':>11}{'distop tot':>11}"
-          f"{'naive run':>10}{'naive tot':>10}{'distop err':>11}{'naive err':>10}")
+          f"{'naive run':>10}{'naive tot':>10}{'distop err':>11}{'naive err':>10}"
+          f"{'check err':>10}")
     for k, med, first, errors in rows:
         print(f"{k:>3} {first['floor'][0]:>10.3f}{first['floor'][1]:>10.3f}"
               f"{first['distop'][0]:>11.3f}{first['distop'][1]:>11.3f}"
               f"{first['naive'][0]:>10.3f}{first['naive'][1]:>10.3f}"
-              f"{errors['distop']:>11.1e}{errors['naive']:>10.1e}")
+              f"{errors['distop']:>11.1e}{errors['naive']:>10.1e}{errors['checking']:>10.1e}")
 
 
 if __name__ == "__main__":

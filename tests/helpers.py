@@ -14,6 +14,7 @@ import distop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
+EXAMPLES = ROOT / "examples"
 
 
 # -- operators ------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     """
     cmd = [mpiexec(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                       PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+                       PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]))
     environment.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=environment, start_new_session=True)
@@ -119,6 +120,25 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
             assert f"rank {r} of {nprocs}: ok" in output, (
                 f"rank {r} did not report success:\n{output}")
     return proc.returncode, output
+
+
+def run_cases(cases, comm=None):
+    """Run `cases` (functions) in order on every rank, then print the success line. Any
+    failure prints the traceback and aborts the job, so no rank waits forever."""
+    import traceback
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    name = "?"
+    try:
+        for fn in cases:
+            name = fn.__name__
+            fn()
+            comm.Barrier()
+    except BaseException:
+        print(f"rank {comm.rank} of {comm.size}: FAILED in {name}\n"
+              + traceback.format_exc(), flush=True)
+        comm.Abort(1)
+    finish(comm)
 
 
 def finish(comm=None):

@@ -5,7 +5,6 @@ aborts the whole job (so no rank waits forever) and the test sees a non-zero exi
 """
 
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +15,8 @@ from mpi4py import MPI
 import distop
 
 jax.config.update("jax_enable_x64", True)
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples"))
-
 import distributed_matvec as dm  # noqa: E402
-from helpers import Cube, RankSum, ScaledSum, all_close_everywhere, finish  # noqa: E402
+from helpers import Cube, RankSum, ScaledSum, all_close_everywhere, run_cases  # noqa: E402
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
@@ -193,20 +190,5 @@ def shapes_changing_on_one_rank_raise_everywhere():
     assert problem.run(x=np.ones(9))["f"] == 9.0  # agreed on every rank: recompiles
 
 
-def main(groups):
-    names = []
-    try:
-        for group in groups:
-            for fn in CASES[group]:
-                names.append(fn.__name__)
-                fn()
-                comm.Barrier()
-    except BaseException:
-        print(f"rank {rank} of {size}: FAILED in {names[-1] if names else '?'}\n"
-              + traceback.format_exc(), flush=True)
-        comm.Abort(1)
-    finish(comm)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

@@ -3,7 +3,6 @@
 single-process by tests/test_totals.py. Blocks are uneven and some ranks own none."""
 
 import io
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,9 @@ from mpi4py import MPI
 import distop
 
 jax.config.update("jax_enable_x64", True)
-from helpers import all_close_everywhere, finish  # noqa: E402
+from distributed_least_squares import Residual  # noqa: E402
+from distributed_matvec import DistributedMatvec  # noqa: E402
+from helpers import all_close_everywhere, run_cases  # noqa: E402
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
@@ -93,26 +94,6 @@ def alltoall_transpose_and_its_gradient():
 
 
 # -- totals on global vectors ---------------------------------------------------------
-class RowBlock(distop.DistributedOperator):
-    """r = A_r x - b_r for this rank's rows A_r of a global A; x replicated."""
-
-    A: np.ndarray
-    vjp_collectives = ("Allreduce",)
-    batched_vjp = True
-
-    def output_spec(self, x, b):
-        return b
-
-    def forward(self, comm, x, b):
-        return self.A @ x - b
-
-    def vjp(self, comm, r_bar, x, b, *, batched=False):
-        local = np.ascontiguousarray(r_bar @ self.A)  # (B?, n)
-        x_bar = np.empty_like(local)
-        comm.Allreduce(local, x_bar, op=MPI.SUM)
-        return x_bar, -r_bar
-
-
 @case
 def totals_in_all_four_combinations_match_dense_references():
     rng = np.random.default_rng(1)
@@ -120,7 +101,7 @@ def totals_in_all_four_combinations_match_dense_references():
     a = rng.standard_normal((N, n))
     bg = rng.standard_normal(N)
     x = rng.standard_normal(n)
-    op = RowBlock(mine(a))
+    op = Residual(mine(a))
 
     def model(x, b):
         r = op(x, b)
@@ -192,33 +173,12 @@ def check_totals_flags_a_vjp_bug_on_one_non_root_rank():
             raise AssertionError("no DerivativeCheckError")
 
 
-class Matvec(distop.DistributedOperator):
-    """y = (sum over ranks of A_r) x, replicated x and y."""
-
-    A: np.ndarray
-    forward_collectives = ("Allreduce",)
-    vjp_collectives = ("Allreduce",)
-
-    def output_spec(self, x):
-        return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
-
-    def forward(self, comm, x):
-        y = np.empty(self.A.shape[0])
-        comm.Allreduce(self.A @ x, y, op=MPI.SUM)
-        return y
-
-    def vjp(self, comm, y_bar, x):
-        x_bar = np.empty(self.A.shape[1])
-        comm.Allreduce(self.A.T @ y_bar, x_bar, op=MPI.SUM)
-        return x_bar
-
-
 @case
 def objective_using_an_operator_on_one_rank_only():
-    a_r = np.arange(6.0).reshape(3, 2) + rank
-    a = sum(np.arange(6.0).reshape(3, 2) + r for r in range(size))
-    x = np.array([0.5, -1.0])
-    op = Matvec(a_r)
+    a_r = np.arange(9.0).reshape(3, 3) + rank
+    a = sum(np.arange(9.0).reshape(3, 3) + r for r in range(size))
+    x = np.array([0.5, -1.0, 2.0])
+    op = DistributedMatvec(a_r)
     exact = 2 * (a @ x) @ a
 
     # Naive: an objective computed on rank 0 only is rank-local, not replicated: a clear
@@ -285,17 +245,4 @@ def shard_gives_every_rank_the_same_count():
 
 
 if __name__ == "__main__":
-    import traceback
-
-    name = "?"
-    try:
-        for fn in CASES:
-            name = fn.__name__
-            fn()
-            comm.Barrier()
-    except BaseException:
-        print(f"rank {rank} of {size}: FAILED in {name}\n" + traceback.format_exc(),
-              flush=True)
-        comm.Abort(1)
-    finish(comm)
-    sys.exit(0)
+    run_cases(CASES)

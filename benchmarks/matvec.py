@@ -169,7 +169,7 @@ def main():
     names = ("hand", "hand-K", "floor", "distop", "no-watch", "checking", "naive")
     print(f"{'K':>3} {'entry':<15}" + "".join(f"{n:>9}" for n in names)
           + f"{'d/floor':>9}{'d/hand':>8}{'d/no-w':>8}{'chk/d':>7}{'naive/d':>9}")
-    for k, med, first, errors in rows:
+    for k, med, _, _ in rows:
         for which, entry in enumerate(("run", "compute_totals")):
             m = {name: 1e3 * med[name, which] for name in names}
             print(f"{k:>3} {entry:<15}" + "".join(f"{m[n]:>9.3f}" for n in names)
@@ -181,7 +181,7 @@ def main():
     print(f"{'K':>3} {'floor run':>10}{'floor tot':>10}{'distop run':>11}{'distop tot':>11}"
           f"{'naive run':>10}{'naive tot':>10}{'distop err':>11}{'naive err':>10}"
           f"{'check err':>10}")
-    for k, med, first, errors in rows:
+    for k, _, first, errors in rows:
         print(f"{k:>3} {first['floor'][0]:>10.3f}{first['floor'][1]:>10.3f}"
               f"{first['distop'][0]:>11.3f}{first['distop'][1]:>11.3f}"
               f"{first['naive'][0]:>10.3f}{first['naive'][1]:>10.3f}"

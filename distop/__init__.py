@@ -3,9 +3,6 @@
 import importlib.metadata
 
 from . import _comm
-
-_comm.start()  # before mpi4py starts MPI: check the launcher against the library
-
 from ._collectives import Allgather as Allgather
 from ._collectives import AllreduceSum as AllreduceSum
 from ._collectives import Alltoall as Alltoall
@@ -28,3 +25,7 @@ from ._totals import TotalsCheck as TotalsCheck
 from ._totals import shard as shard
 
 __version__ = importlib.metadata.version("distop")
+
+# Check the launcher against the MPI library before mpi4py starts MPI (nothing above
+# starts it), then start it.
+_comm.start()

@@ -13,12 +13,11 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import io_callback
 
 from . import _comm
 from ._callback import HostCall
-from ._errors import MissingMethodError, OperatorError
+from ._errors import MissingMethodError
 
 
 class DistributedOperator(eqx.Module):

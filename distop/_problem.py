@@ -505,7 +505,7 @@ def _pack(values):
     """Concatenate a dict of arrays into one flat array per dtype: a program with few
     outputs dispatches faster than one with many."""
     groups = {}
-    for k, v in values.items():
+    for v in values.values():
         groups.setdefault(jnp.dtype(v.dtype), []).append(v.ravel())
     return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values())
 

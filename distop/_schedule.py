@@ -85,7 +85,7 @@ def _walk(jaxpr, context, entries):
         else:
             inner = ""
         sub = f"{context}/{inner}" if context and inner else (inner or context)
-        for key, value in eqn.params.items():
+        for value in eqn.params.values():
             for k, j in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
                 if hasattr(getattr(j, "jaxpr", j), "eqns"):
                     where = f"{sub}.branch{k}" if name == "cond" else sub

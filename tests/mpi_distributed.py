@@ -154,7 +154,7 @@ def check_totals_flags_a_vjp_bug_on_one_non_root_rank():
         return
     for spread in (False, True):
         op = Scale(bad_rank=size - 1, spread=spread)
-        problem = distop.Problem(lambda x: {"y": jnp.sum(op(x))}, {"x": np.ones(3)})
+        problem = distop.Problem(lambda x, op=op: {"y": jnp.sum(op(x))}, {"x": np.ones(3)})
         out = io.StringIO()
         results = problem.check_totals(out_stream=out)
         r = results["y", "x"]

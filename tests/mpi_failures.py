@@ -4,7 +4,6 @@ Each must end quickly with a non-zero exit code and a message naming the rank an
 operator (tests/test_safety.py runs them with a short watchdog).
 """
 
-import os
 import sys
 
 import jax

@@ -5,6 +5,7 @@ not JAX: contiguous row-major arrays for user code, the per-row loop or single b
 call, checks of what user code returns, and failure handling under MPI.
 """
 
+import functools
 import inspect
 import sys
 import threading
@@ -27,6 +28,14 @@ def take_error():
     with _error_lock:
         err, _last_error = _last_error, None
     return err
+
+
+@functools.cache
+def _method_info(cls, phase):
+    """**Returns:** (whether `cls.<phase>` is batched, whether it takes `batched=`);
+    computed once per class, as tracing meets every call site."""
+    batched = bool(getattr(cls, "batched_" + phase, False))
+    return batched, batched and "batched" in inspect.signature(getattr(cls, phase)).parameters
 
 
 class HostCall:
@@ -59,16 +68,16 @@ class HostCall:
         self.levels = levels
         self.batch_shape = batch_shape
         self.ordered = ordered
-        self.method = getattr(op, phase)
-        self.batched = bool(getattr(op, "batched_" + phase, False))
+        cls = type(op)
+        self.function = getattr(cls, phase)  # class-level: no per-call bound method
+        self.batched, takes_flag = _method_info(cls, phase)
         # A batched method may take a keyword `batched` to learn whether this call
         # carries the leading batch axis (it does only when distop batches).
-        self.kwargs = ({"batched": bool(batch_shape)} if self.batched and "batched" in
-                       inspect.signature(self.method).parameters else {})
+        self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = (len(arg_specs) - n_cotangents if phase == "vjp"
                                else len(result_specs))
-        self.where = f"{type(op).__name__}.{phase}"
-        self.declared = tuple(getattr(op, phase + "_collectives", ()))
+        self.where = f"{cls.__name__}.{phase}"
+        self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self.checker = None
         if (_safety.settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
@@ -111,8 +120,8 @@ class HostCall:
         if self.phase == "vjp":
             k = self.n_cotangents
             ct = tuple(args[:k]) if k > 1 else args[0]
-            return self.method(comm, ct, *args[k:], **self.kwargs)
-        return self.method(comm, *args, **self.kwargs)
+            return self.function(self.op, comm, ct, *args[k:], **self.kwargs)
+        return self.function(self.op, comm, *args, **self.kwargs)
 
     def _call_rows(self, args, comm):
         outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]

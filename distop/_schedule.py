@@ -39,6 +39,16 @@ class ScheduleEntry:
     input_distributed: tuple[bool, ...] = ()
     output_distributed: tuple[bool, ...] = ()
 
+    @property
+    def shapes(self):
+        """**Returns:** `(input_shapes, output_shapes)`."""
+        return self.input_shapes, self.output_shapes
+
+    @property
+    def dtypes(self):
+        """**Returns:** `(input_dtypes, output_dtypes)`."""
+        return self.input_dtypes, self.output_dtypes
+
     def describe(self):
         """**Returns:** a one-line, rank-independent description (no index)."""
         ins = _arrays(self.input_shapes, self.input_dtypes, self.input_distributed)

@@ -22,6 +22,10 @@ _last_error = None
 _error_lock = threading.Lock()
 
 
+def _inexact(spec):
+    return np.issubdtype(spec.dtype, np.inexact)
+
+
 def take_error():
     """**Returns:** the exception raised by the last failing callback (once), or None."""
     global _last_error
@@ -43,39 +47,47 @@ class HostCall:
 
     **Arguments:**
     - `op`: the `DistributedOperator`.
-    - `phase`: `"forward"` or `"vjp"`.
+    - `phase`: `"forward"`, `"jvp"` or `"vjp"`.
     - `comm`: the private communicator handed to user code.
-    - `n_cotangents`: how many leading arguments are cotangents (vjp only).
-    - `arg_specs`: the unbatched `jax.ShapeDtypeStruct` of every argument.
-    - `result_specs`: the unbatched spec of every result the program receives.
-    - `result_picks`: for vjp, which entries of the user's returned tuple are results
-      (integer inputs have no cotangent); None keeps all.
-    - `levels`: per argument, one bool per batch level (outermost first): whether the
-      argument carries that batch axis.
-    - `batch_shape`: the size of every batch level (outermost first).
     - `ordered`: whether the call is ordered (and so may communicate).
+    - `in_specs`, `out_specs`: the operator's unbatched input and output
+      `jax.ShapeDtypeStruct`s.
+    - `levels`: per argument, one bool per batch level (outermost first): whether the
+      argument carries that batch axis; None for no batching.
+    - `batch_shape`: the size of every batch level (outermost first).
+
+    The arguments XLA passes are the inputs (`forward`), or the tangents of the
+    floating-point inputs (`jvp`) or cotangents of the floating-point outputs (`vjp`)
+    followed by the inputs. Integer values have no (co)tangent: user code gets None.
     """
 
-    def __init__(self, op, phase, comm, n_cotangents, arg_specs, result_specs,
-                 result_picks, levels, batch_shape, ordered):
-        self.op = op
-        self.phase = phase
-        self.comm = comm
-        self.n_cotangents = n_cotangents
-        self.arg_specs = arg_specs
-        self.result_specs = result_specs
-        self.result_picks = result_picks
-        self.levels = levels
-        self.batch_shape = batch_shape
-        self.ordered = ordered
+    def __init__(self, op, phase, comm, ordered, in_specs, out_specs, levels=None,
+                 batch_shape=()):
+        self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
+        self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
+        diff_in = tuple(i for i, s in enumerate(in_specs) if _inexact(s))
+        diff_out = tuple(i for i, s in enumerate(out_specs) if _inexact(s))
+        if phase == "forward":
+            self.slots, self.n_slots, self.result_picks = (), 0, None
+            self.result_specs = self.out_specs
+        elif phase == "jvp":
+            self.slots, self.n_slots, self.result_picks = diff_in, len(in_specs), diff_out
+            self.result_specs = tuple(out_specs[j] for j in diff_out)
+        else:
+            self.slots, self.n_slots, self.result_picks = diff_out, len(out_specs), diff_in
+            self.result_specs = tuple(in_specs[i] for i in diff_in)
+        self.n_linear = len(self.slots)
+        linear_specs = tuple((in_specs if phase == "jvp" else out_specs)[i] for i in self.slots)
+        self.arg_specs = linear_specs + self.in_specs
+        self.levels = levels if levels is not None else tuple(() for _ in self.arg_specs)
+        self.batch_shape = tuple(batch_shape)
         cls = type(op)
         self.function = getattr(cls, phase)  # class-level: no per-call bound method
         self.batched, takes_flag = _method_info(cls, phase)
         # A batched method may take a keyword `batched` to learn whether this call
         # carries the leading batch axis (it does only when distop batches).
         self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
-        self.n_user_results = (len(arg_specs) - n_cotangents if phase == "vjp"
-                               else len(result_specs))
+        self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
         self.where = f"{cls.__name__}.{phase}"
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self.checker = None
@@ -84,6 +96,23 @@ class HostCall:
             from ._comm import checker
 
             self.checker = checker(comm)
+
+    def __repr__(self):
+        batch = f" batch={list(self.batch_shape)}" if self.batch_shape else ""
+        return f"{self.where}[{'ordered' if self.ordered else 'unordered'}{batch}]"
+
+    def with_phase(self, phase):
+        """**Returns:** the same operator call in another phase (unbatched)."""
+        return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs)
+
+    def with_batch(self, in_batched, size):
+        """**Returns:** this call one batch level deeper (a new outermost batch axis of
+        `size`, carried by the arguments flagged in `in_batched`)."""
+        return HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, tuple((b,) + lv for b, lv in zip(in_batched,
+                                                                         self.levels)),
+                        (size,) + self.batch_shape)
 
     # -- what XLA calls -------------------------------------------------------------
     def __call__(self, *args):
@@ -117,11 +146,13 @@ class HostCall:
     # -- helpers --------------------------------------------------------------------
     def _invoke(self, args, comm):
         args = [np.asarray(a, order="C") for a in args]
-        if self.phase == "vjp":
-            k = self.n_cotangents
-            ct = tuple(args[:k]) if k > 1 else args[0]
-            return self.function(self.op, comm, ct, *args[k:], **self.kwargs)
-        return self.function(self.op, comm, *args, **self.kwargs)
+        if self.phase == "forward":
+            return self.function(self.op, comm, *args, **self.kwargs)
+        linear = [None] * self.n_slots
+        for slot, a in zip(self.slots, args):
+            linear[slot] = a
+        linear = tuple(linear) if self.n_slots > 1 else linear[0]
+        return self.function(self.op, comm, linear, *args[self.n_linear:], **self.kwargs)
 
     def _call_rows(self, args, comm):
         outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]
@@ -148,7 +179,7 @@ class HostCall:
 
     def _check(self, result, batch, row=None):
         where = "" if row is None else f" (batch row {row})"
-        what = "input cotangent" if self.phase == "vjp" else "output"
+        what = {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output")
         n = self.n_user_results
         if n == 1 and not isinstance(result, (tuple, list)):
             result = (result,)
@@ -158,10 +189,10 @@ class HostCall:
             raise OperatorError(self._say(
                 f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
                 + ("input" if self.phase == "vjp" else "output")))
-        if self.result_picks is not None:
-            result = [result[i] for i in self.result_picks]
+        picks = self.result_picks if self.result_picks is not None else range(n)
         checked = []
-        for k, (r, spec) in enumerate(zip(result, self.result_specs)):
+        for k, spec in zip(picks, self.result_specs):
+            r = result[k]
             if r is None:
                 raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
                                               "return zeros for a zero cotangent"))

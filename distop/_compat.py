@@ -12,3 +12,9 @@ if JaxRuntimeError is None:  # pragma: no cover
 def x64_enabled():
     """**Returns:** whether 64-bit JAX types are on (`jax_enable_x64`)."""
     return bool(jax.config.read("jax_enable_x64"))
+
+
+# The effect JAX's ordered io_callback carries, declared by distop's host-call primitive
+# so that its lowering may issue ordered callbacks. No public name as of jax 0.10.2.
+from jax._src.callback import _OrderedIOEffect as ORDERED_IO_EFFECT  # noqa: E402, F401
+from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401

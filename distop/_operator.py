@@ -1,11 +1,13 @@
 """`DistributedOperator` and its lowering to ordered host callbacks.
 
-An operator call `op(x)` becomes a `jax.custom_vjp` function whose forward and backward
-passes are host callbacks. Each callback is wrapped in `jax.custom_batching.custom_vmap`
-so that under `vmap` (and so `jacrev` and batched totals) it is still ONE callback on the
-whole batch, issued with `io_callback(ordered=True)` when the operator communicates:
-JAX then threads an effect token through it, which fixes its place in program order on
-every rank and keeps XLA from dropping, duplicating or overlapping it.
+An operator call `op(x)` binds one JAX primitive, `distop_host_call`, whose parameter is
+the `HostCall` to run. Its rules keep every transformation at one host call per operator
+call: the JVP of a forward call is a `jvp` call, linear in the tangents, whose transpose
+is a `vjp` call; `vmap` adds a batch level to the same call (so `jacrev` and batched
+totals issue ONE callback on the whole batch). It lowers to `io_callback(ordered=True)`
+when the operator communicates: JAX threads an effect token through it, which fixes its
+place in program order on every rank and keeps XLA from dropping, duplicating or
+overlapping it.
 """
 
 from typing import Any, ClassVar
@@ -13,10 +15,14 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from . import _comm
-from ._callback import HostCall
+from ._callback import HostCall, _inexact
+from ._compat import ORDERED_IO_EFFECT, ShapedArray, no_effects
 from ._errors import MissingMethodError
 
 
@@ -28,9 +34,9 @@ class DistributedOperator(eqx.Module):
     (`jit`, `grad`, `vjp`, `jacrev`, `vmap`, `lax.scan`, `lax.fori_loop`).
 
     Class attributes (a subclass sets them in its body):
-    - `forward_collectives`, `vjp_collectives`: names of the MPI collectives each method
-      issues, e.g. `("Allreduce",)`; empty means purely local.
-    - `batched_forward`, `batched_vjp`: True if the method accepts a leading batch axis
+    - `forward_collectives`, `vjp_collectives`, `jvp_collectives`: names of the MPI
+      collectives each method issues, e.g. `("Allreduce",)`; empty means purely local.
+    - `batched_forward`, `batched_vjp`, `batched_jvp`: True if the method accepts a leading batch axis
       on every argument (and returns one), so a whole batch costs one collective.
       Otherwise distop calls it once per batch row, in a fixed order, in one callback.
     - `ordered`: None (default) orders the callbacks whenever the operator declares
@@ -48,8 +54,10 @@ class DistributedOperator(eqx.Module):
 
     forward_collectives: ClassVar[tuple[str, ...]] = ()
     vjp_collectives: ClassVar[tuple[str, ...]] = ()
+    jvp_collectives: ClassVar[tuple[str, ...]] = ()
     batched_forward: ClassVar[bool] = False
     batched_vjp: ClassVar[bool] = False
+    batched_jvp: ClassVar[bool] = False
 
     def forward(self, comm, *inputs):
         """Compute the outputs on this rank.
@@ -73,9 +81,21 @@ class DistributedOperator(eqx.Module):
 
         **Returns:** the input cotangent, or a tuple with one per input.
         """
-        raise MissingMethodError(f"{type(self).__name__} does not implement "
-                                 "vjp(self, comm, cotangent, *inputs), which reverse mode "
-                            "(grad, vjp, jacrev, compute_totals) needs.")
+        raise MissingMethodError(_missing(self, "vjp"))
+
+    def jvp(self, comm, tangent, *inputs):
+        """Push an input tangent forward to the outputs on this rank (optional: it
+        enables forward mode, `jax.jvp` and `jax.jacfwd`).
+
+        **Arguments:**
+        - `comm`: the operator's private communicator.
+        - `tangent`: the input tangent (a tuple for several inputs; None for integer
+          inputs).
+        - `inputs`: the inputs of the matching forward call.
+
+        **Returns:** the output tangent, or a tuple with one per output.
+        """
+        raise MissingMethodError(_missing(self, "jvp"))
 
     def output_spec(self, *input_specs):
         """The shapes and dtypes of the outputs.
@@ -97,7 +117,7 @@ class DistributedOperator(eqx.Module):
                 value = cls.__dict__["ordered"]
                 if isinstance(value, bool):
                     return value
-        if not (self.forward_collectives or self.vjp_collectives):
+        if not (self.forward_collectives or self.vjp_collectives or self.jvp_collectives):
             return False
         return _comm.private(self.comm).Get_size() > 1
 
@@ -114,7 +134,7 @@ class DistributedOperator(eqx.Module):
 
 
 def apply(op, inputs):
-    """Call `op` on JAX values through ordered host callbacks (see the module docstring).
+    """Call `op` on JAX values through one distop host-call primitive per call.
 
     **Arguments:**
     - `op`: a `DistributedOperator`.
@@ -125,7 +145,7 @@ def apply(op, inputs):
     name = type(op).__name__
     if type(op).forward is DistributedOperator.forward:
         raise MissingMethodError(f"{name} does not implement forward(self, comm, *inputs), "
-                            "which every operator needs.")
+                                 "which every operator needs.")
     arrays = []
     for k, x in enumerate(inputs):
         try:
@@ -142,62 +162,95 @@ def apply(op, inputs):
             raise TypeError(f"{name}.output_spec returned {s!r}; expected "
                             "jax.ShapeDtypeStruct(shape, dtype) per output.")
     out_specs = tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_specs)
-    comm = _comm.private(op.comm)
-    ordered = op.is_ordered()
-    diff = tuple(k for k, s in enumerate(in_specs) if jnp.issubdtype(s.dtype, jnp.inexact))
-
-    forward = _host_function(op, "forward", comm, 0, in_specs, out_specs, None, ordered)
-
-    @jax.custom_vjp
-    def call(*xs):
-        return forward(*xs)
-
-    def call_fwd(*xs):
-        return forward(*xs), xs
-
-    def call_bwd(xs, cts):
-        if type(op).vjp is DistributedOperator.vjp:
-            raise MissingMethodError(f"{name} does not implement vjp(self, comm, cotangent, "
-                                "*inputs), which reverse mode (grad, vjp, jacrev, "
-                                "compute_totals) needs.")
-        backward = _host_function(op, "vjp", comm, len(out_specs), out_specs + in_specs,
-                                  tuple(in_specs[k] for k in diff), diff, ordered)
-        grads = dict(zip(diff, backward(*cts, *xs)))
-        return tuple(grads.get(k) for k in range(len(xs)))
-
-    call.defvjp(call_fwd, call_bwd)
-    outs = call(*arrays)
+    call = HostCall(op, "forward", _comm.private(op.comm), op.is_ordered(), in_specs,
+                    out_specs)
+    outs = host_call_p.bind(*arrays, call=call)
     return tuple(outs) if several else outs[0]
 
 
-def _host_function(op, phase, comm, n_cotangents, arg_specs, result_specs, result_picks,
-                   ordered, levels=None, batch_shape=()):
-    """A JAX function that runs one operator method on the host, batched by `custom_vmap`.
+# -- the primitive --------------------------------------------------------------------
+# One primitive for every host call, whatever the phase. Its rules make differentiation
+# and batching produce further host calls of the same kind: the JVP of `forward` is a
+# `jvp` call (linear in the tangents), whose transpose is a `vjp` call (and back); vmap
+# adds a batch level to the same single call. Ordered calls carry JAX's ordered-IO
+# effect, so they keep their place in program order and are never dropped.
+host_call_p = Primitive("distop_host_call")
+host_call_p.multiple_results = True
 
-    Under `vmap` the rule moves the batch axis to the front, records which arguments
-    carry it, and calls the same construction one batch level deeper: nested `vmap`
-    still gives one callback.
-    """
-    if levels is None:
-        levels = tuple(() for _ in arg_specs)
 
-    @jax.custom_batching.custom_vmap
-    def host(*args):
-        call = HostCall(op, phase, comm, n_cotangents, arg_specs, result_specs,
-                        result_picks, levels, batch_shape, ordered)
-        shapes = tuple(jax.ShapeDtypeStruct(batch_shape + s.shape, s.dtype)
-                       for s in result_specs)
-        if ordered:
-            return io_callback(call, shapes, *args, ordered=True)
-        # Unordered: the naive lowering, free to be reordered or run concurrently.
-        return jax.pure_callback(call, shapes, *args)
+def _shapes(call):
+    return tuple(jax.ShapeDtypeStruct(call.batch_shape + s.shape, s.dtype)
+                 for s in call.result_specs)
 
-    @host.def_vmap
-    def rule(axis_size, in_batched, *args):
-        deeper = _host_function(
-            op, phase, comm, n_cotangents, arg_specs, result_specs, result_picks, ordered,
-            tuple((b,) + lv for b, lv in zip(in_batched, levels)),
-            (axis_size,) + batch_shape)
-        return deeper(*args), tuple(True for _ in result_specs)
 
-    return host
+def _abstract_eval(*args, call):
+    avals = [ShapedArray(s.shape, s.dtype) for s in _shapes(call)]
+    return avals, ({ORDERED_IO_EFFECT} if call.ordered else no_effects)
+
+
+def _lower(*args, call):
+    if call.phase != "forward" and getattr(type(call.op), call.phase) is getattr(
+            DistributedOperator, call.phase):
+        raise MissingMethodError(_missing(call.op, call.phase))
+    if call.ordered:
+        return io_callback(call, _shapes(call), *args, ordered=True)
+    # Unordered: the naive lowering, free to be reordered, run concurrently or dropped.
+    return jax.pure_callback(call, _shapes(call), *args)
+
+
+def _jvp(primals, tangents, *, call):
+    if call.phase != "forward":  # linear in its (co)tangents; constant in the inputs
+        if any(type(t) is not ad.Zero for t in tangents[call.n_linear:]):
+            raise NotImplementedError(f"{call.where}: derivatives of a derivative with "
+                                      "respect to the inputs are not available.")
+        linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
+        outs = host_call_p.bind(*primals, call=call)
+        return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
+    outs = host_call_p.bind(*primals, call=call)
+    jvp = call.with_phase("jvp")
+    linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
+    touts = iter(host_call_p.bind(*linear, *primals, call=jvp))
+    return outs, [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
+                                                          .to_tangent_aval())
+                  for s in call.out_specs]
+
+
+def _transpose(cts, *args, call):
+    if call.phase == "forward":
+        raise NotImplementedError(f"{call.where} is not linear")
+    inputs = args[call.n_linear:]
+    if any(ad.is_undefined_primal(x) for x in inputs):
+        raise NotImplementedError(f"{call.where}: derivatives of a derivative with "
+                                  "respect to the inputs are not available.")
+    other = "vjp" if call.phase == "jvp" else "jvp"
+    if getattr(type(call.op), other) is getattr(DistributedOperator, other):
+        raise MissingMethodError(_missing(call.op, other))
+    transposed = call.with_phase(other)
+    for _ in call.batch_shape:  # not reached: JAX transposes before it batches
+        raise NotImplementedError("transposing a batched host call")
+    cts = [ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts]
+    return list(host_call_p.bind(*cts, *inputs, call=transposed)) + [None] * len(inputs)
+
+
+def _batch(args, dims, *, call):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    deeper = call.with_batch([d is not None for d in dims], size)
+    outs = host_call_p.bind(*args, call=deeper)
+    return outs, [0] * len(outs)
+
+
+def _missing(op, phase):
+    mode = ("forward mode (jax.jvp, jacfwd)" if phase == "jvp"
+            else "reverse mode (grad, vjp, jacrev, compute_totals)")
+    return (f"{type(op).__name__} does not implement {phase}(self, comm, "
+            f"{'tangent' if phase == 'jvp' else 'cotangent'}, *inputs), which {mode} needs.")
+
+
+host_call_p.def_effectful_abstract_eval(_abstract_eval)
+host_call_p.def_impl(  # outside jit: call the host directly, in Python's own order
+    lambda *args, call: [jnp.asarray(r) for r in call(*(np.asarray(a) for a in args))])
+mlir.register_lowering(host_call_p, mlir.lower_fun(_lower, multiple_results=True))
+ad.primitive_jvps[host_call_p] = _jvp
+ad.primitive_transposes[host_call_p] = _transpose
+batching.primitive_batchers[host_call_p] = _batch

@@ -81,7 +81,7 @@ def extract(closed_jaxpr):
 def _walk(jaxpr, context, entries):
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-        call = getattr(eqn.params.get("callback"), "callback_func", None)
+        call = eqn.params.get("call")
         if isinstance(call, HostCall):
             entries.append(_entry(call, context))
             continue
@@ -104,7 +104,7 @@ def _walk(jaxpr, context, entries):
 
 def _entry(call, context):
     op = call.op
-    inputs = call.arg_specs[call.n_cotangents:] if call.phase == "vjp" else call.arg_specs
+    inputs = call.in_specs
     return ScheduleEntry(
         index=0,
         operator=type(op).__name__,

@@ -32,12 +32,21 @@ class DistributedMatvec(distop.DistributedOperator):
     A: sp.csr_matrix
     forward_collectives = ("Allreduce",)
     vjp_collectives = ("Allreduce",)
+    jvp_collectives = ("Allreduce",)
     batched_vjp = True
+    batched_jvp = True
 
     def forward(self, comm, x):
         y = np.empty(self.A.shape[0])
         comm.Allreduce(self.A @ x, y, op=MPI.SUM)
         return y
+
+    def jvp(self, comm, x_dot, x):
+        # x_dot is (M,) or, when distop batches, (B, M): one Allreduce either way.
+        local = np.ascontiguousarray((self.A @ x_dot.T).T)
+        y_dot = np.empty_like(local)
+        comm.Allreduce(local, y_dot, op=MPI.SUM)
+        return y_dot
 
     def vjp(self, comm, y_bar, x):
         # y_bar is (M,) or, when distop batches, (B, M): one Allreduce either way.

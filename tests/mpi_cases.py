@@ -136,6 +136,9 @@ def jacrev_and_vmap_directly():
     a_local, a_global, x0, _ = dm.setup(12, 1, comm)
     op = dm.DistributedMatvec(a_local)
     all_close_everywhere(comm, jax.jit(jax.jacrev(op))(x0), a_global)
+    all_close_everywhere(comm, jax.jit(jax.jacfwd(op))(x0), a_global)  # forward mode
+    _, y_dot = jax.jvp(op, (x0,), (np.ones(12),))
+    all_close_everywhere(comm, y_dot, a_global @ np.ones(12))
     xs = np.stack([x0, 2 * x0, -x0])
     all_close_everywhere(comm, jax.vmap(op)(xs), xs @ a_global.T)
     all_close_everywhere(comm, jax.vmap(jax.vmap(op))(xs[None]), (xs @ a_global.T)[None])

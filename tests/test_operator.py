@@ -79,7 +79,8 @@ def test_scan_and_fori_loop_are_ordered_and_differentiable():
 
     np.testing.assert_allclose(jax.jit(f)(X), ref(X), rtol=1e-14)
     np.testing.assert_allclose(jax.jit(jax.grad(f))(X), jax.grad(ref)(X), rtol=1e-13)
-    assert "ordered=True" in str(jax.make_jaxpr(f)(X))
+    jaxpr = jax.make_jaxpr(f)(X)
+    assert "OrderedSin.forward[ordered]" in str(jaxpr) and jaxpr.effects
 
 
 def test_unused_output_and_0d_input():
@@ -92,8 +93,8 @@ def test_unused_output_and_0d_input():
 
 
 def test_local_operator_uses_unordered_callbacks():
-    jaxpr = str(jax.make_jaxpr(Cube())(X))
-    assert "pure_callback" in jaxpr and "io_callback" not in jaxpr
+    jaxpr = jax.make_jaxpr(Cube())(X)
+    assert "Cube.forward[unordered]" in str(jaxpr) and not jaxpr.effects
     np.testing.assert_allclose(jax.grad(lambda x: Cube()(x).sum())(X), 3 * X ** 2)
 
 
@@ -162,3 +163,28 @@ def test_user_exception_names_operator_and_phase():
 
     with pytest.raises(Exception, match=r"Boom.forward on rank 0: raised KeyError"):
         jax.jit(Boom())(X).block_until_ready()
+
+
+class SinWithJvp(Sin):
+    batched_jvp = True
+
+    def jvp(self, comm, x_dot, x, *, batched=False):
+        self.calls.append(("jvp", x_dot.shape, batched))
+        return self.scale * np.cos(x) * x_dot
+
+
+def test_forward_mode_with_a_jvp():
+    op = SinWithJvp(2.0, calls=[])
+    y, y_dot = jax.jit(lambda x, t: jax.jvp(op, (x,), (t,)))(X, np.ones(3))
+    np.testing.assert_allclose(y_dot, 2 * np.cos(X), rtol=1e-15)
+    op.calls.clear()
+    np.testing.assert_allclose(jax.jacfwd(op)(X), np.diag(2 * np.cos(X)), atol=1e-15)
+    assert [c for c in op.calls if c[0] == "jvp"] == [("jvp", (3, 3), True)]  # one call
+    np.testing.assert_allclose(jax.jacrev(op)(X), np.diag(2 * np.cos(X)), atol=1e-15)
+    np.testing.assert_allclose(jax.hessian(lambda x: 0.5 * jnp.sum(x ** 2))(X), np.eye(3))
+
+
+def test_forward_mode_without_a_jvp_names_the_operator():
+    with pytest.raises(distop.MissingMethodError,
+                       match=r"OrderedSin does not implement jvp\(self, comm, tangent"):
+        jax.jacfwd(sin())(X)

@@ -36,9 +36,11 @@ class DistributedOperator(eqx.Module):
     Class attributes (a subclass sets them in its body):
     - `forward_collectives`, `vjp_collectives`, `jvp_collectives`: names of the MPI
       collectives each method issues, e.g. `("Allreduce",)`; empty means purely local.
-    - `batched_forward`, `batched_vjp`, `batched_jvp`: True if the method accepts a leading batch axis
-      on every argument (and returns one), so a whole batch costs one collective.
-      Otherwise distop calls it once per batch row, in a fixed order, in one callback.
+    - `batched_forward`, `batched_vjp`, `batched_jvp`: True if the method accepts a
+      leading batch axis on every argument (and returns one), so a whole batch costs one
+      collective. Otherwise distop calls it once per batch row, in a fixed order, in one
+      callback. A batched method may take a keyword `batched` telling whether the axis
+      is there (it is only when distop batches).
     - `ordered`: None (default) orders the callbacks whenever the operator declares
       collectives and its communicator has more than one rank; True/False force it.
       Also settable per instance: `MyOp(A, ordered=False)`.

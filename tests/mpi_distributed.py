@@ -70,6 +70,9 @@ def builtins_pass_check_totals_with_uneven_and_empty_blocks():
     expected_b[:, last:last + COUNTS[-1]] = 1.0
     all_close_everywhere(comm, J["b", "x"], expected_b)
     check(problem)
+    if len(set(COUNTS)) > 1:  # an uneven split shows its global size in the schedule
+        split = [e for e in problem.schedule if e.operator == "Split"][0]
+        assert split.output_distributed == (True,) and split.output_shapes == ((N,),), split
     local = problem.compute_totals("q", "x", return_format="local")["q", "x"]
     assert local.shape == (COUNTS[rank], COUNTS[rank])
 
@@ -201,6 +204,41 @@ def objective_using_an_operator_on_one_rank_only():
     check(problem)
 
 
+class Counted(distop.DistributedOperator):
+    """y = 2 x; counts the calls of each phase (batched methods)."""
+
+    calls: list
+    vjp_collectives = ("Allreduce",)
+    batched_forward = True
+    batched_vjp = True
+
+    def forward(self, comm, x, *, batched=False):
+        self.calls.append(("forward", x.shape))
+        return 2 * x
+
+    def vjp(self, comm, y_bar, x, *, batched=False):
+        self.calls.append(("vjp", y_bar.shape))
+        out = np.empty_like(y_bar)
+        comm.Allreduce(2 * y_bar / size, out, op=MPI.SUM)
+        return out
+
+
+@case
+def of_subsets_still_run_every_vjp_and_fd_is_one_batched_call():
+    a, b = Counted([]), Counted([])
+    problem = distop.Problem(lambda x: {"u": jnp.sum(a(x)), "v": jnp.sum(b(x) ** 2)},
+                             {"x": np.ones(3)})
+    b.calls.clear()
+    J = problem.compute_totals(of="u")  # b's outputs do not reach `of`
+    all_close_everywhere(comm, J["u", "x"], 2 * np.ones((1, 3)))
+    assert ("vjp", (1, 3)) in b.calls, b.calls  # ... but its VJP ran, with zeros
+    a.calls.clear()
+    problem.check_totals(out_stream=None)
+    batched = [c for c in a.calls if c[0] == "forward" and len(c[1]) == 2]
+    # central differences: every perturbation of x (2 x 3 rows) in ONE batched call
+    assert batched == [("forward", (6, 3))], a.calls
+
+
 # -- bad input ------------------------------------------------------------------------
 def raises(exc, text, fn):
     try:
@@ -225,6 +263,15 @@ def bad_input_raises_on_every_rank():
                                    {"p": np.ones(2) * (1 + (rank == size - 1))})
         raises(distop.DistopError, "replicated values differ",
                lambda: differing.check_totals(out_stream=None))
+        class Ragged(distop.DistributedOperator):  # axis 1 differs between ranks
+            def output_spec(self, x):
+                return jax.ShapeDtypeStruct((2, 1 + rank), x.dtype)
+
+            def forward(self, comm, x):
+                return np.zeros((2, 1 + rank))
+
+        raises(distop.ScheduleMismatchError, "only axis 0 may be distributed",
+               lambda: distop.Problem(lambda x: {"y": jnp.sum(Ragged()(x))}, {"x": np.ones(2)}))
     problem = distop.Problem(lambda x: {"y": jnp.sum(x)}, {"x": np.ones(2)})
     raises(ValueError, "no input named 'z'", lambda: problem.check_totals(wrt="z"))
     raises(ValueError, "no output named 'q'", lambda: problem.compute_totals(of="q"))

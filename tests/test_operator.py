@@ -121,7 +121,8 @@ class Bad(distop.DistributedOperator):
 
 
 @pytest.mark.parametrize("result, expected", [
-    (np.ones(2), r"Bad.forward on rank 0: returned output 0 with shape \(2,\) .*expected shape \(3,\)"),
+    (np.ones(2),
+     r"Bad.forward on rank 0: returned output 0 with shape \(2,\) .*expected shape \(3,\)"),
     (np.ones(3, np.float32), r"dtype float32; expected shape \(3,\) and dtype float64"),
     (None, r"returned None for output 0"),
     ((np.ones(3), np.ones(3)), r"returned a tuple of length 2; expected 1 output"),

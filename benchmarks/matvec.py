@@ -9,8 +9,9 @@ timed side by side in one run, interleaved call by call:
   the forward and one batched one in the reverse, each doing only the hand-written
   numpy + Allreduce work: the floor of any design built on ordered io_callbacks;
 - `distop`: `Problem.run` and `Problem.compute_totals()` (batched mode), default
-  settings; `no-watch`: the same with the watchdog off (the cost of the default safety
-  net); `checking`: with the run-time checking mode on (DISTOP_CHECK_COLLECTIVES=1);
+  settings (the lean host-call path); `io_cb`: the same with `backend="io_callback"`
+  (JAX's ordered io_callback); `no-watch`: the same with the watchdog off (the cost of
+  the default safety net); `checking`: with the run-time checking mode on (DISTOP_CHECK_COLLECTIVES=1);
 - `naive`: distop with `ordered=False` and `mode="unrolled"`: per-objective unordered
   pure callbacks, the lowering graph frameworks emit today (its error is printed too).
 Per-call times are the max over ranks of the median over `--repeat` calls; first-call
@@ -110,13 +111,17 @@ def measure(k, size, repeat):
                       first_call(lambda: jax.block_until_ready(floor_totals(xj))))
     holder = {}
 
-    def make(name, **kw):
-        holder[name] = distop.Problem(dm.build(a_local, w, "reverse", **kw), {"x": x0})
+    def make(name, backend=None, **kw):
+        holder[name] = distop.Problem(dm.build(a_local, w, "reverse", **kw), {"x": x0},
+                                      backend=backend)
         holder[name].run()
 
-    mode = {"distop": "batched", "naive": "unrolled", "checking": "batched"}
+    mode = {"distop": "batched", "naive": "unrolled", "checking": "batched",
+            "io_cb": "batched"}
     first["distop"] = (first_call(lambda: make("distop")),
                        first_call(lambda: holder["distop"].compute_totals()))
+    first["io_cb"] = (first_call(lambda: make("io_cb", backend="io_callback")),
+                      first_call(lambda: holder["io_cb"].compute_totals()))
     first["naive"] = (first_call(lambda: make("naive", ordered=False)),
                       first_call(lambda: holder["naive"].compute_totals(mode="unrolled")))
     distop.configure(check_collectives=True)  # applies to programs traced from now on
@@ -134,6 +139,7 @@ def measure(k, size, repeat):
         "floor": (lambda: floor_run(xj).block_until_ready(),
                   lambda: jax.block_until_ready(floor_totals(xj))),
         "distop": (holder["distop"].run, holder["distop"].compute_totals),
+        "io_cb": (holder["io_cb"].run, holder["io_cb"].compute_totals),
         "no-watch": (without_watchdog(holder["distop"].run),
                      without_watchdog(holder["distop"].compute_totals)),
         "checking": (holder["checking"].run, holder["checking"].compute_totals),
@@ -166,26 +172,29 @@ def main():
         return
     print(f"# distributed matvec, {comm.size} ranks, M={args.size}; per call: max over ranks "
           f"of the median of {args.repeat} interleaved calls (ms); jax {jax.__version__}")
-    names = ("hand", "hand-K", "floor", "distop", "no-watch", "checking", "naive")
+    names = ("hand", "hand-K", "floor", "distop", "io_cb", "no-watch", "checking", "naive")
     print(f"{'K':>3} {'entry':<15}" + "".join(f"{n:>9}" for n in names)
-          + f"{'d/floor':>9}{'d/hand':>8}{'d/no-w':>8}{'chk/d':>7}{'naive/d':>9}")
+          + f"{'d/floor':>9}{'d/hand':>8}{'io/d':>6}{'d/no-w':>8}{'chk/d':>7}{'naive/d':>9}")
     for k, med, _, _ in rows:
         for which, entry in enumerate(("run", "compute_totals")):
             m = {name: 1e3 * med[name, which] for name in names}
             print(f"{k:>3} {entry:<15}" + "".join(f"{m[n]:>9.3f}" for n in names)
                   + f"{m['distop'] / m['floor']:>9.2f}{m['distop'] / m['hand']:>8.2f}"
-                  + f"{m['distop'] / m['no-watch']:>8.2f}{m['checking'] / m['distop']:>7.2f}"
+                  + f"{m['io_cb'] / m['distop']:>6.2f}{m['distop'] / m['no-watch']:>8.2f}"
+                  + f"{m['checking'] / m['distop']:>7.2f}"
                   + f"{m['naive'] / m['distop']:>9.2f}")
     print("\n# first call (s): Problem creation + first run, then first compute_totals; "
           "and max relative error of values and gradients")
     print(f"{'K':>3} {'floor run':>10}{'floor tot':>10}{'distop run':>11}{'distop tot':>11}"
-          f"{'naive run':>10}{'naive tot':>10}{'distop err':>11}{'naive err':>10}"
-          f"{'check err':>10}")
+          f"{'io_cb run':>10}{'io_cb tot':>10}{'naive run':>10}{'naive tot':>10}"
+          f"{'distop err':>11}{'io_cb err':>10}{'naive err':>10}{'check err':>10}")
     for k, _, first, errors in rows:
         print(f"{k:>3} {first['floor'][0]:>10.3f}{first['floor'][1]:>10.3f}"
               f"{first['distop'][0]:>11.3f}{first['distop'][1]:>11.3f}"
+              f"{first['io_cb'][0]:>10.3f}{first['io_cb'][1]:>10.3f}"
               f"{first['naive'][0]:>10.3f}{first['naive'][1]:>10.3f}"
-              f"{errors['distop']:>11.1e}{errors['naive']:>10.1e}{errors['checking']:>10.1e}")
+              f"{errors['distop']:>11.1e}{errors['io_cb']:>10.1e}{errors['naive']:>10.1e}"
+              f"{errors['checking']:>10.1e}")
 
 
 if __name__ == "__main__":

@@ -62,8 +62,14 @@ class HostCall:
     """
 
     def __init__(self, op, phase, comm, ordered, in_specs, out_specs, levels=None,
-                 batch_shape=()):
+                 batch_shape=(), lean=False):
         self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
+        self.lean = lean
+        self.ffi_id = None
+        if lean:
+            from ._ffi import register
+
+            self.ffi_id = register(self)
         self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
         diff_in = tuple(i for i, s in enumerate(in_specs) if _inexact(s))
         diff_out = tuple(i for i, s in enumerate(out_specs) if _inexact(s))
@@ -99,12 +105,13 @@ class HostCall:
 
     def __repr__(self):
         batch = f" batch={list(self.batch_shape)}" if self.batch_shape else ""
-        return f"{self.where}[{'ordered' if self.ordered else 'unordered'}{batch}]"
+        kind = "lean" if self.lean else "ordered" if self.ordered else "unordered"
+        return f"{self.where}[{kind}{batch}]"
 
     def with_phase(self, phase):
         """**Returns:** the same operator call in another phase (unbatched)."""
         return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
-                        self.out_specs)
+                        self.out_specs, lean=self.lean)
 
     def with_batch(self, in_batched, size):
         """**Returns:** this call one batch level deeper (a new outermost batch axis of
@@ -112,7 +119,7 @@ class HostCall:
         return HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
                         self.out_specs, tuple((b,) + lv for b, lv in zip(in_batched,
                                                                          self.levels)),
-                        (size,) + self.batch_shape)
+                        (size,) + self.batch_shape, lean=self.lean)
 
     # -- what XLA calls -------------------------------------------------------------
     def __call__(self, *args):

@@ -20,7 +20,7 @@ from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _comm
+from . import _comm, _ffi
 from ._callback import HostCall, _inexact
 from ._compat import ORDERED_IO_EFFECT, ShapedArray, no_effects
 from ._errors import MissingMethodError
@@ -164,10 +164,22 @@ def apply(op, inputs):
             raise TypeError(f"{name}.output_spec returned {s!r}; expected "
                             "jax.ShapeDtypeStruct(shape, dtype) per output.")
     out_specs = tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_specs)
-    call = HostCall(op, "forward", _comm.private(op.comm), op.is_ordered(), in_specs,
-                    out_specs)
-    outs = host_call_p.bind(*arrays, call=call)
+    ordered = op.is_ordered()
+    lean = ordered and _ffi.session() is not None
+    call = HostCall(op, "forward", _comm.private(op.comm), ordered, in_specs, out_specs,
+                    lean=lean)
+    outs = _bind(call, arrays)
     return tuple(outs) if several else outs[0]
+
+
+def _bind(call, args):
+    """Bind the primitive; a lean call takes the session's token and moves it on."""
+    if not call.lean:
+        return host_call_p.bind(*args, call=call)
+    session = _ffi.session()
+    token, *outs = host_call_p.bind(session.token, *args, call=call)
+    session.token = token
+    return outs
 
 
 # -- the primitive --------------------------------------------------------------------
@@ -175,7 +187,9 @@ def apply(op, inputs):
 # and batching produce further host calls of the same kind: the JVP of `forward` is a
 # `jvp` call (linear in the tangents), whose transpose is a `vjp` call (and back); vmap
 # adds a batch level to the same single call. Ordered calls carry JAX's ordered-IO
-# effect, so they keep their place in program order and are never dropped.
+# effect, so they keep their place in program order and are never dropped. Lean calls
+# (the lean path, see _ffi.py) carry no effect: their first operand and first result
+# are the token that orders them.
 host_call_p = Primitive("distop_host_call")
 host_call_p.multiple_results = True
 
@@ -185,8 +199,13 @@ def _shapes(call):
                  for s in call.result_specs)
 
 
+_TOKEN = ShapedArray((), np.float64)
+
+
 def _abstract_eval(*args, call):
     avals = [ShapedArray(s.shape, s.dtype) for s in _shapes(call)]
+    if call.lean:
+        return [_TOKEN] + avals, no_effects
     return avals, ({ORDERED_IO_EFFECT} if call.ordered else no_effects)
 
 
@@ -194,6 +213,13 @@ def _lower(*args, call):
     if call.phase != "forward" and getattr(type(call.op), call.phase) is getattr(
             DistributedOperator, call.phase):
         raise MissingMethodError(_missing(call.op, call.phase))
+    if call.lean:
+        if call.phase == "jvp":  # its token is not part of the program's chain
+            raise NotImplementedError(
+                f"{call.where}: forward mode (jax.jvp, jacfwd) inside a Problem's model "
+                "needs Problem(..., backend='io_callback').")
+        return jax.ffi.ffi_call(_ffi.TARGET, (jax.ShapeDtypeStruct((), np.float64),)
+                                + _shapes(call))(*args, call_id=np.int64(call.ffi_id))
     if call.ordered:
         return io_callback(call, _shapes(call), *args, ordered=True)
     # Unordered: the naive lowering, free to be reordered, run concurrently or dropped.
@@ -201,25 +227,41 @@ def _lower(*args, call):
 
 
 def _jvp(primals, tangents, *, call):
+    if call.lean:  # the token has no tangent
+        token, primals, tangents = primals[0], primals[1:], tangents[1:]
     if call.phase != "forward":  # linear in its (co)tangents; constant in the inputs
+        if call.lean:
+            raise NotImplementedError(f"{call.where}: derivatives of a derivative are not "
+                                      "available on the lean path.")
         if any(type(t) is not ad.Zero for t in tangents[call.n_linear:]):
             raise NotImplementedError(f"{call.where}: derivatives of a derivative with "
                                       "respect to the inputs are not available.")
         linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
         outs = host_call_p.bind(*primals, call=call)
         return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
-    outs = host_call_p.bind(*primals, call=call)
     jvp = call.with_phase("jvp")
     linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
-    touts = iter(host_call_p.bind(*linear, *primals, call=jvp))
-    return outs, [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
-                                                          .to_tangent_aval())
-                  for s in call.out_specs]
+    if call.lean:
+        # The jvp call reads the chain's token but does not extend it: in reverse mode
+        # it is transposed away, and the transposed call joins the chain then.
+        outs = host_call_p.bind(token, *primals, call=call)
+        touts = iter(host_call_p.bind(outs[0], *linear, *primals, call=jvp)[1:])
+    else:
+        outs = host_call_p.bind(*primals, call=call)
+        touts = iter(host_call_p.bind(*linear, *primals, call=jvp))
+    tangents_out = [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
+                                                            .to_tangent_aval())
+                    for s in call.out_specs]
+    if call.lean:
+        tangents_out = [ad.Zero(_TOKEN.to_tangent_aval())] + tangents_out
+    return outs, tangents_out
 
 
 def _transpose(cts, *args, call):
     if call.phase == "forward":
         raise NotImplementedError(f"{call.where} is not linear")
+    if call.lean:
+        args, cts = args[1:], cts[1:]
     inputs = args[call.n_linear:]
     if any(ad.is_undefined_primal(x) for x in inputs):
         raise NotImplementedError(f"{call.where}: derivatives of a derivative with "
@@ -231,13 +273,21 @@ def _transpose(cts, *args, call):
     for _ in call.batch_shape:  # not reached: JAX transposes before it batches
         raise NotImplementedError("transposing a batched host call")
     cts = [ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts]
-    return list(host_call_p.bind(*cts, *inputs, call=transposed)) + [None] * len(inputs)
+    results = list(_bind(transposed, [*cts, *inputs])) + [None] * len(inputs)
+    return [None] + results if call.lean else results
 
 
 def _batch(args, dims, *, call):
+    if call.lean:
+        if dims[0] is not None:
+            raise NotImplementedError(f"{call.where}: a batched token")
+        token, args, dims = args[0], args[1:], dims[1:]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     deeper = call.with_batch([d is not None for d in dims], size)
+    if call.lean:
+        outs = host_call_p.bind(token, *args, call=deeper)
+        return outs, [None] + [0] * (len(outs) - 1)
     outs = host_call_p.bind(*args, call=deeper)
     return outs, [0] * len(outs)
 

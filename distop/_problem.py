@@ -2,6 +2,7 @@
 
 import dataclasses
 import hashlib
+import os
 import sys
 import warnings
 
@@ -10,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _comm, _safety, _schedule, _totals
+from . import _comm, _ffi, _safety, _schedule, _totals
 from ._callback import take_error
-from ._compat import JaxRuntimeError, x64_enabled
+from ._compat import JaxRuntimeError, UnexpectedTracerError, x64_enabled
 from ._errors import DistopError, MissingMethodError
 
 MODES = ("batched", "loop", "unrolled")
+BACKENDS = ("lean", "io_callback")
 FORMATS = ("global", "local")
 
 
@@ -90,13 +92,18 @@ class Problem:
       replicated (the same on every rank).
     - `check_replicated`: if True, every `run` checks that replicated inputs and outputs
       are equal on all ranks and raises on every rank if not.
+    - `backend`: how communicating operators are called from the programs: `"lean"`
+      (default; an XLA FFI call ordered by a token chain, see docs/architecture.md;
+      programs where the chain cannot be proven fall back to `"io_callback"`) or
+      `"io_callback"` (JAX's ordered `io_callback`). Default from `DISTOP_BACKEND`.
 
     Attributes: `schedule` (the operator calls of the `compute_totals` program, in
     program order: forward, then vjp; only forward if an operator has no `vjp`),
     `input_names`, `output_names`, `distributed`.
     """
 
-    def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False):
+    def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False,
+                 backend=None):
         if not callable(model):
             raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
                             "a function called as model(**inputs) returning a dict.")
@@ -108,6 +115,10 @@ class Problem:
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
         self.check_replicated = check_replicated
+        self.backend = backend or os.environ.get("DISTOP_BACKEND", "lean")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Problem(backend={self.backend!r}): expected one of "
+                             f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
         self._point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
                        for name, value in inputs.items()}
         self.input_names = tuple(self._point)
@@ -119,6 +130,7 @@ class Problem:
         self._programs = {}
         self._device = {}
         self._warned_loop = False
+        self._token = jnp.zeros((), np.float64)
         layout = self._layout(self._point)
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
@@ -235,7 +247,15 @@ class Problem:
         """The function of an entry point; `vectorize=False` replaces `vmap` over seeds
         or perturbations by a sequential loop (for models JAX cannot vmap)."""
         def batch(fn, xs):
-            return jax.vmap(fn)(xs) if vectorize else lax.map(fn, xs)
+            if not vectorize:
+                return lax.map(fn, xs)
+            session = _ffi.session()
+            if session is None:
+                return jax.vmap(fn)(xs)
+            # The lean path's token leaves the vmap as an unbatched output.
+            out, session.token = jax.vmap(lambda x: (fn(x), session.token),
+                                          out_axes=(0, None))(xs)
+            return out
 
         if name == "run":
             return lambda point: self._call_model(point)
@@ -252,9 +272,9 @@ class Problem:
             seeds = self._split_seeds(packed, layout)
             diff = {k: point[k] for k in diff_names}
             rest = {k: v for k, v in point.items() if k not in diff}
-            _, pullback = jax.vjp(lambda d: self._call_model({**rest, **d}), diff)
+            pullback = self._pullback(lambda d: self._call_model({**rest, **d}), diff)
             if mode == "batched":
-                return jax.vmap(pullback)(seeds)[0]
+                return batch(lambda seed: pullback(seed)[0], seeds)
             if mode == "loop":
                 return lax.scan(lambda carry, seed: (carry, pullback(seed)), None, seeds)[1][0]
             n = next(iter(seeds.values())).shape[0]
@@ -262,6 +282,18 @@ class Problem:
             return {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
 
         return totals
+
+    @staticmethod
+    def _pullback(fn, diff):
+        """`jax.vjp(fn, diff)[1]`; on the lean path the token leaves `jax.vjp` as an
+        output of its own (with a zero cotangent), so the backward calls continue the
+        forward calls' chain."""
+        session = _ffi.session()
+        if session is None:
+            return jax.vjp(fn, diff)[1]
+        (_, session.token), pullback = jax.vjp(lambda d: (fn(d), session.token), diff)
+        zero = jnp.zeros(())
+        return lambda seed: pullback((seed, zero))
 
     def _seeds(self, of, layout, specs_only=False):
         """One unit cotangent per global row of the requested outputs: a row of a
@@ -414,21 +446,42 @@ class Problem:
         return found
 
     def _trace(self, name, options, layout, specs, vectorize):
+        """Trace an entry point's program, on the lean path if the backend says so and
+        the program allows it (its lean calls form one token chain), else with ordered
+        `io_callback`s."""
+        if self.backend == "lean":
+            try:
+                found = self._trace_with(name, options, layout, specs, vectorize, True)
+                if _ffi.chained(found[2].jaxpr):
+                    return found
+            except UnexpectedTracerError:
+                pass  # the model moved the token into a loop, a branch or a transform
+        return self._trace_with(name, options, layout, specs, vectorize, False)
+
+    def _trace_with(self, name, options, layout, specs, vectorize, lean):
         body, outputs = self._build(name, options, layout, vectorize), {}
 
-        def packed(*args):
-            values = body(*args)
+        def packed(token, *args):
+            if lean:
+                with _ffi.tracing(token) as session:
+                    values = body(*args)
+                token = session.token
+            else:
+                values = body(*args)
             outputs.update({k: (v.shape, v.dtype) for k, v in values.items()})
-            return _pack(values)
+            return _pack(values) + (token,)
 
         fn = jax.jit(packed)
+        token = jax.ShapeDtypeStruct((), np.float64)
         traced = self._agree(f"{name}: tracing the program",
-                             lambda: fn.trace(layout.inputs, *specs))
+                             lambda: fn.trace(token, layout.inputs, *specs))
         return fn, outputs, traced
 
     def _execute(self, program, point):
         try:
-            values = _unpack(program.fn(self._on_device(point), *program.extra), program.plan)
+            *packed, self._token = program.fn(self._token, self._on_device(point),
+                                              *program.extra)
+            values = _unpack(packed, program.plan)
             if program.checker is not None:
                 # A rank whose program skipped a collective (rank-dependent control flow)
                 # meets the others' next collective here, and every rank raises.

@@ -22,7 +22,8 @@ class ScheduleEntry:
     `output_dtypes` (unbatched), `batch` (batch sizes, outermost first; () if not
     batched), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`),
     `input_distributed`, `output_distributed` (per argument: whether its local axis 0
-    differs between ranks, in which case the shape shows the global size of that axis).
+    differs between ranks, in which case the shape shows the global size of that axis),
+    `lean` (called through the lean path: ordered by the program's token chain).
     """
 
     index: int
@@ -38,6 +39,7 @@ class ScheduleEntry:
     context: str
     input_distributed: tuple[bool, ...] = ()
     output_distributed: tuple[bool, ...] = ()
+    lean: bool = False
 
     @property
     def shapes(self):
@@ -55,7 +57,7 @@ class ScheduleEntry:
         outs = _arrays(self.output_shapes, self.output_dtypes, self.output_distributed)
         return (f"{self.operator}.{self.phase} collectives={list(self.collectives)} "
                 f"in=({ins}) out=({outs}) batch={list(self.batch)} "
-                f"{'ordered' if self.ordered else 'unordered'}"
+                f"{'lean' if self.lean else 'ordered' if self.ordered else 'unordered'}"
                 + (f" in {self.context}" if self.context else ""))
 
 
@@ -117,6 +119,7 @@ def _entry(call, context):
         batch=tuple(call.batch_shape),
         ordered=call.ordered,
         context=context,
+        lean=call.lean,
     )
 
 

@@ -63,6 +63,78 @@ def matvec_ordered_is_default_and_verified():
     assert [e.batch for e in problem.schedule[4:]] == [(4,)] * 4
 
 
+class Logged(distop.DistributedOperator):
+    """y = x + Allreduce(1): logs every call, and any call that starts while another
+    distop call is still running on this rank."""
+
+    index: int
+    log: list
+    active: list
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+    batched_vjp = True
+
+    def _enter(self, phase, comm):
+        self.active[0] += 1
+        self.log.append((phase, self.index, self.active[0]))
+        one = np.ones(1)
+        total = np.empty(1)
+        comm.Allreduce(one, total, op=MPI.SUM)  # a collective in every call
+        self.active[0] -= 1
+        return total[0]
+
+    def forward(self, comm, x):
+        return x + self._enter("forward", comm) - size
+
+    def vjp(self, comm, y_bar, x):
+        self._enter("vjp", comm)
+        return y_bar.copy()
+
+
+def calls_run_exactly_once_in_order_one_at_a_time(backend):
+    k = 24  # well above the 10 independent calls at which XLA starts to overlap them
+    log, active = [], [0]
+    ops = [Logged(i, log, active) for i in range(k)]
+    problem = distop.Problem(lambda x: {f"f{i}": jnp.sum(op(x)) * (i + 1)
+                                        for i, op in enumerate(ops)},
+                             {"x": np.ones(3)}, backend=backend)
+    assert all(e.lean == (backend == "lean") for e in problem.schedule), problem.schedule
+    forward = [("forward", i, 1) for i in range(k)]
+    backward = [("vjp", i, 1) for i in reversed(range(k))]
+    for _ in range(3):
+        log.clear()
+        out = problem.run()
+        assert log == forward, log  # each call once, in program order, never overlapping
+        all_close_everywhere(comm, [out[f"f{i}"] for i in range(k)], 3 * np.arange(1, k + 1))
+        log.clear()
+        J = problem.compute_totals()
+        assert log == forward + backward, log
+        all_close_everywhere(comm, J[f"f{k - 1}", "x"], np.full((1, 3), k))
+    every = comm.allgather(log)
+    assert all(other == log for other in every)
+
+
+@case("core")
+def lean_calls_run_exactly_once_in_order_one_at_a_time():
+    calls_run_exactly_once_in_order_one_at_a_time("lean")
+
+
+@case("core")
+def io_callback_calls_run_exactly_once_in_order_one_at_a_time():
+    calls_run_exactly_once_in_order_one_at_a_time("io_callback")
+
+
+@case("core")
+def programs_the_lean_path_cannot_prove_fall_back_to_io_callback():
+    log, active = [], [0]
+    op = Logged(0, log, active)
+    problem = distop.Problem(
+        lambda x: {"f": jnp.sum(lax.scan(lambda c, _: (op(c), None), x, None, length=2)[0])},
+        {"x": np.ones(2)})
+    assert all(e.ordered and not e.lean for e in problem.schedule), problem.schedule
+    all_close_everywhere(comm, problem.compute_totals()["f", "x"], np.ones((1, 2)))
+
+
 # -- operators used directly in JAX code ----------------------------------------------
 @case("core")
 def several_inputs_and_outputs_with_a_0d_input():

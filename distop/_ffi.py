@@ -1,0 +1,216 @@
+"""The lean host-call path: an XLA FFI target whose handler is a Python function.
+
+A jitted program with an ordered JAX effect leaves JAX's fast dispatch path, and its
+`io_callback`s go through JAX's Python callback machinery. Inside the programs a
+`Problem` builds, distop can do without the effect: every ordered host call takes and
+returns a float64 scalar *token*, threaded through the calls in program order (a data
+dependency that XLA must respect), and the final token is a program output, so no call
+is dropped. Each call site carries a unique `call_id` attribute, so XLA never merges two
+calls. The handler answers XLA's metadata query, reports Python errors through the FFI
+error API (an exception escaping a ctypes callback would read as success), and writes
+results straight into XLA's output buffers.
+"""
+
+import ctypes as C
+import itertools
+import threading
+
+import numpy as np
+
+TARGET = "distop_host_call"
+_calls = {}  # call_id -> HostCall; call sites live as long as the programs using them
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_registered = False
+
+_DTYPES = {1: np.bool_, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint8,
+           7: np.uint16, 8: np.uint32, 9: np.uint64, 10: np.float16, 11: np.float32,
+           12: np.float64, 15: np.complex64, 18: np.complex128}
+_EXECUTE = 3
+_METADATA = 1
+_INTERNAL = 13
+
+
+# -- the XLA FFI C API (xla/ffi/api/c_api.h), as far as the handler needs it -------------
+class _ExtensionBase(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("type", C.c_int), ("next", C.c_void_p)]
+
+
+class _ApiVersion(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("major", C.c_int), ("minor", C.c_int)]
+
+
+class _Metadata(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("api_version", _ApiVersion),
+                ("traits", C.c_uint32), ("state_type_id", C.c_int64)]
+
+
+class _MetadataExtension(C.Structure):
+    _fields_ = [("extension_base", _ExtensionBase), ("metadata", C.POINTER(_Metadata))]
+
+
+class _Buffer(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("dtype", C.c_int), ("data", C.c_void_p), ("rank", C.c_int64),
+                ("dims", C.POINTER(C.c_int64))]
+
+
+class _Values(C.Structure):  # XLA_FFI_Args and XLA_FFI_Rets share this layout
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("size", C.c_int64), ("types", C.POINTER(C.c_int)),
+                ("values", C.POINTER(C.c_void_p))]
+
+
+class _Scalar(C.Structure):
+    _fields_ = [("dtype", C.c_int), ("value", C.c_void_p)]
+
+
+class _Attrs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("size", C.c_int64), ("types", C.POINTER(C.c_int)),
+                ("names", C.c_void_p), ("attrs", C.POINTER(C.c_void_p))]
+
+
+class _CallFrame(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(_ExtensionBase)),
+                ("api", C.c_void_p), ("ctx", C.c_void_p), ("stage", C.c_int),
+                ("args", _Values), ("rets", _Values), ("attrs", _Attrs),
+                ("future", C.c_void_p)]
+
+
+class _ErrorCreateArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("message", C.c_char_p), ("errc", C.c_int)]
+
+
+class _Api(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("api_version", _ApiVersion), ("internal_api", C.c_void_p),
+                ("error_create", C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs)))]
+
+
+def _array(address):
+    """A numpy view of the XLA buffer at `address` (valid only during the call)."""
+    b = _Buffer.from_address(address)
+    shape = tuple(b.dims[i] for i in range(b.rank))
+    dtype = np.dtype(_DTYPES[b.dtype])
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer((C.c_char * nbytes).from_address(b.data), dtype).reshape(shape)
+
+
+def _handler(frame_pointer):
+    frame = frame_pointer.contents
+    try:
+        extension = frame.extension_start
+        if extension and extension.contents.type == _METADATA:
+            metadata = C.cast(extension, C.POINTER(_MetadataExtension)).contents.metadata
+            metadata.contents.api_version.major = 0
+            metadata.contents.api_version.minor = 1
+            metadata.contents.traits = 0
+            return None
+        if frame.stage != _EXECUTE:
+            return None
+        scalar = _Scalar.from_address(frame.attrs.attrs[0])
+        call = _calls[C.c_int64.from_address(scalar.value).value]
+        args = [_array(frame.args.values[i]) for i in range(frame.args.size)]
+        rets = [_array(frame.rets.values[i]) for i in range(frame.rets.size)]
+        results = call(*args[1:])
+        rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
+        for out, result in zip(rets[1:], results):
+            out[...] = result
+        return None
+    except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
+        api = C.cast(frame.api, C.POINTER(_Api)).contents
+        text = f"{type(err).__name__}: {err}".encode()
+        args = _ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, text, _INTERNAL)
+        return api.error_create(C.byref(args))
+
+
+_HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))(_handler)
+
+
+def register(call):
+    """Give `call` (a `HostCall`) a unique id for its call site; register the FFI target
+    with XLA on first use.
+
+    **Returns:** the id, passed to the target as the `call_id` attribute.
+    """
+    global _registered
+    import jax
+
+    with _lock:
+        if not _registered:
+            jax.ffi.register_ffi_target(
+                TARGET, jax.ffi.pycapsule(C.cast(_HANDLER, C.c_void_p).value),
+                platform="cpu")
+            _registered = True
+        call_id = next(_ids)
+        _calls[call_id] = call
+    return call_id
+
+
+# -- the token, threaded through the calls while a program is traced ----------------------
+class Session:
+    """Holds the current token while `Problem` traces one program with the lean path."""
+
+    def __init__(self, token):
+        self.token = token
+        self.calls = 0
+
+
+_state = threading.local()
+
+
+def session():
+    """**Returns:** the active `Session`, or None outside lean tracing."""
+    return getattr(_state, "session", None)
+
+
+class tracing:
+    """Context manager: trace a program with the lean path, starting from `token`."""
+
+    def __init__(self, token):
+        self.session = Session(token)
+
+    def __enter__(self):
+        self.previous = session()
+        _state.session = self.session
+        return self.session
+
+    def __exit__(self, *exc):
+        _state.session = self.previous
+
+
+def chained(closed_jaxpr):
+    """Whether the lean calls of a traced program form ONE unbroken token chain.
+
+    The chain starts at the program's first input, passes every lean call in program
+    order (each takes the previous one's token) and ends at the program's last output.
+    Then XLA must run them one at a time, in that order, and keep every one. Anything
+    else (a lean call inside a loop or branch, a token that skipped a call) fails.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    token = jaxpr.invars[0]
+    for eqn in jaxpr.eqns:
+        call = eqn.params.get("call")
+        if getattr(call, "lean", False):
+            if eqn.invars[0] is not token:
+                return False
+            token = eqn.outvars[0]
+        elif _has_lean(eqn):
+            return False
+    return jaxpr.outvars[-1] is token
+
+
+def _has_lean(eqn):
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns") and any(
+                    getattr(e.params.get("call"), "lean", False) or _has_lean(e)
+                    for e in inner.eqns):
+                return True
+    return False

@@ -15,6 +15,11 @@ def test_cases(group, nprocs):
     run_mpi(nprocs, TESTS / "mpi_cases.py", group, timeout=300)
 
 
+def test_cases_on_the_io_callback_backend():
+    run_mpi(2, TESTS / "mpi_cases.py", "core", "matvec", timeout=300,
+            env={"DISTOP_BACKEND": "io_callback"})
+
+
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_distributed_cases(nprocs):
     run_mpi(nprocs, TESTS / "mpi_distributed.py", timeout=300)

@@ -11,7 +11,8 @@ timed side by side in one run, interleaved call by call:
 - `distop`: `Problem.run` and `Problem.compute_totals()` (batched mode), default
   settings (the lean host-call path); `io_cb`: the same with
   `backend="io_callback"` (JAX's ordered io_callback); `no-watch`: the same with the
-  watchdog off (the cost of the default safety net); `checking`: with the run-time checking mode on (DISTOP_CHECK_COLLECTIVES=1);
+  watchdog off (the cost of the default safety net); `checking`: with the run-time
+  checking mode on (DISTOP_CHECK_COLLECTIVES=1);
 - `naive`: distop with `ordered=False` and `mode="unrolled"`: per-objective unordered
   pure callbacks, the lowering graph frameworks emit today (its error is printed too).
 Per-call times are the max over ranks of the median over `--repeat` calls; first-call

@@ -85,8 +85,9 @@ class HostCall:
         self.n_linear = len(self.slots)
         linear_specs = tuple((in_specs if phase == "jvp" else out_specs)[i] for i in self.slots)
         self.arg_specs = linear_specs + self.in_specs
-        self.levels = levels if levels is not None else tuple(() for _ in self.arg_specs)
         self.batch_shape = tuple(batch_shape)
+        self.levels = (levels if levels is not None
+                       else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
         cls = type(op)
         self.function = getattr(cls, phase)  # class-level: no per-call bound method
         self.batched, takes_flag = _method_info(cls, phase)
@@ -108,10 +109,21 @@ class HostCall:
         kind = "lean" if self.lean else "ordered" if self.ordered else "unordered"
         return f"{self.where}[{kind}{batch}]"
 
-    def with_phase(self, phase):
-        """**Returns:** the same operator call in another phase (unbatched)."""
-        return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
-                        self.out_specs, lean=self.lean)
+    def with_phase(self, phase, linear_levels=None):
+        """The same operator call in another phase, at the same batch levels.
+
+        **Arguments:**
+        - `phase`: `"jvp"` or `"vjp"`.
+        - `linear_levels`: the batch levels of the new call's (co)tangent arguments;
+          default: every level.
+        """
+        inputs = self.levels[self.n_linear:]
+        call = HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, batch_shape=self.batch_shape, lean=self.lean)
+        if linear_levels is None:
+            linear_levels = [(True,) * len(self.batch_shape)] * call.n_linear
+        call.levels = tuple(linear_levels) + tuple(inputs)
+        return call
 
     def with_batch(self, in_batched, size):
         """**Returns:** this call one batch level deeper (a new outermost batch axis of

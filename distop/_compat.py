@@ -9,10 +9,6 @@ if JaxRuntimeError is None:  # pragma: no cover
     from jaxlib.xla_extension import XlaRuntimeError as JaxRuntimeError  # noqa: F401
 
 
-# Raised when a tracer outlives its trace; public as jax.errors.UnexpectedTracerError.
-UnexpectedTracerError = jax.errors.UnexpectedTracerError
-
-
 def x64_enabled():
     """**Returns:** whether 64-bit JAX types are on (`jax_enable_x64`)."""
     return bool(jax.config.read("jax_enable_x64"))

@@ -90,15 +90,31 @@ class _Api(C.Structure):
                 ("error_create", C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs)))]
 
 
-def _array(address):
-    """A numpy view of the XLA buffer at `address` (valid only during the call)."""
-    b = _Buffer.from_address(address)
-    shape = tuple(b.dims[i] for i in range(b.rank))
-    dtype = np.dtype(_DTYPES[b.dtype])
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes == 0:
-        return np.zeros(shape, dtype)
-    return np.frombuffer((C.c_char * nbytes).from_address(b.data), dtype).reshape(shape)
+_DATA = _Buffer.data.offset
+_plans = {}  # call_id -> the (dtype, shape, nbytes) of its arguments and results
+
+
+def _plan(addresses):
+    plan = []
+    for address in addresses:
+        b = _Buffer.from_address(address)
+        shape = tuple(b.dims[i] for i in range(b.rank))
+        dtype = np.dtype(_DTYPES[b.dtype])
+        plan.append((dtype, shape, int(np.prod(shape)) * dtype.itemsize))
+    return plan
+
+
+def _arrays(values, plan):
+    """numpy views of XLA's buffers (valid only during the call); shapes and dtypes are
+    fixed per call site, so only the data pointers are read each time."""
+    out = []
+    for i, (dtype, shape, nbytes) in enumerate(plan):
+        if nbytes == 0:
+            out.append(np.zeros(shape, dtype))
+            continue
+        data = C.c_void_p.from_address(values[i] + _DATA).value
+        out.append(np.frombuffer((C.c_char * nbytes).from_address(data), dtype).reshape(shape))
+    return out
 
 
 def _handler(frame_pointer):
@@ -114,9 +130,16 @@ def _handler(frame_pointer):
         if frame.stage != _EXECUTE:
             return None
         scalar = _Scalar.from_address(frame.attrs.attrs[0])
-        call = _calls[C.c_int64.from_address(scalar.value).value]
-        args = [_array(frame.args.values[i]) for i in range(frame.args.size)]
-        rets = [_array(frame.rets.values[i]) for i in range(frame.rets.size)]
+        call_id = C.c_int64.from_address(scalar.value).value
+        call = _calls[call_id]
+        arg_values, ret_values = frame.args.values, frame.rets.values
+        plans = _plans.get(call_id)
+        if plans is None:
+            plans = _plans[call_id] = (
+                _plan([arg_values[i] for i in range(frame.args.size)]),
+                _plan([ret_values[i] for i in range(frame.rets.size)]))
+        args = _arrays(arg_values, plans[0])
+        rets = _arrays(ret_values, plans[1])
         results = call(*args[1:])
         rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):

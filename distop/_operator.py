@@ -239,7 +239,8 @@ def _jvp(primals, tangents, *, call):
         linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
         outs = host_call_p.bind(*primals, call=call)
         return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
-    jvp = call.with_phase("jvp")
+    # A tangent is batched where its input is.
+    jvp = call.with_phase("jvp", [call.levels[i] for i in _diff(call.in_specs)])
     linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
     if call.lean:
         # The jvp call reads the chain's token but does not extend it: in reverse mode
@@ -270,10 +271,13 @@ def _transpose(cts, *args, call):
     if getattr(type(call.op), other) is getattr(DistributedOperator, other):
         raise MissingMethodError(_missing(call.op, other))
     transposed = call.with_phase(other)
-    for _ in call.batch_shape:  # not reached: JAX transposes before it batches
-        raise NotImplementedError("transposing a batched host call")
     cts = [ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts]
-    results = list(_bind(transposed, [*cts, *inputs])) + [None] * len(inputs)
+    results = []
+    for result, levels in zip(_bind(transposed, [*cts, *inputs]), call.levels):
+        # A (co)tangent argument without some batch axis receives the sum over it.
+        unbatched = tuple(k for k, on in enumerate(levels) if not on)
+        results.append(jnp.sum(result, axis=unbatched) if unbatched else result)
+    results += [None] * len(inputs)
     return [None] + results if call.lean else results
 
 
@@ -290,6 +294,10 @@ def _batch(args, dims, *, call):
         return outs, [None] + [0] * (len(outs) - 1)
     outs = host_call_p.bind(*args, call=deeper)
     return outs, [0] * len(outs)
+
+
+def _diff(specs):
+    return [i for i, s in enumerate(specs) if _inexact(s)]
 
 
 def _missing(op, phase):

@@ -13,7 +13,7 @@ from jax import lax
 
 from . import _comm, _ffi, _safety, _schedule, _totals
 from ._callback import take_error
-from ._compat import JaxRuntimeError, UnexpectedTracerError, x64_enabled
+from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError
 
 MODES = ("batched", "loop", "unrolled")
@@ -127,6 +127,7 @@ class Problem:
                 raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is 0-d; "
                                  "a distributed value needs an axis 0 to split.")
         self._layouts = {}
+        self._fixed = {}
         self._programs = {}
         self._device = {}
         self._warned_loop = False
@@ -355,14 +356,18 @@ class Problem:
         dist_inputs = [k for k in point if k in self.distributed]
         counts = ()
         if self.comm.Get_size() > 1:
-            fixed = tuple((k, s[1:] if k in self.distributed else s, d) for k, s, d in local)
-            mine = np.array([_stable_hash(fixed)] + [point[k].shape[0] for k in dist_inputs],
+            fixed = self._fixed.get(local)
+            if fixed is None:  # the shapes that must agree, and their hash: once per shapes
+                shapes = tuple((k, s[1:] if k in self.distributed else s, d)
+                               for k, s, d in local)
+                fixed = self._fixed[local] = (shapes, _stable_hash(shapes))
+            mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
                             dtype=np.int64)
             every = np.empty((self.comm.Get_size(), mine.size), np.int64)
             with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
                 self.comm.Allgather(mine, every)
             if (every[:, 0] != every[0, 0]).any():
-                shapes = self.comm.allgather(fixed)
+                shapes = self.comm.allgather(fixed[0])
                 raise DistopError(
                     "the ranks passed inputs of different shapes or dtypes, so they would "
                     "compile different programs:\n"
@@ -454,8 +459,11 @@ class Problem:
                 found = self._trace_with(name, options, layout, specs, vectorize, True)
                 if _ffi.chained(found[2].jaxpr):
                     return found
-            except UnexpectedTracerError:
-                pass  # the model moved the token into a loop, a branch or a transform
+            except Exception:  # noqa: BLE001 - same on every rank; io_callback decides
+                # Typically the model moved the token into a loop, a branch or its own
+                # transformation (UnexpectedTracerError). Any genuine error of the model
+                # comes back from the io_callback trace below.
+                pass
         return self._trace_with(name, options, layout, specs, vectorize, False)
 
     def _trace_with(self, name, options, layout, specs, vectorize, lean):

@@ -130,9 +130,14 @@ def programs_the_lean_path_cannot_prove_fall_back_to_io_callback():
     op = Logged(0, log, active)
     problem = distop.Problem(
         lambda x: {"f": jnp.sum(lax.scan(lambda c, _: (op(c), None), x, None, length=2)[0])},
-        {"x": np.ones(2)})
+        {"x": np.ones(2)}, backend="lean")
     assert all(e.ordered and not e.lean for e in problem.schedule), problem.schedule
     all_close_everywhere(comm, problem.compute_totals()["f", "x"], np.ones((1, 2)))
+    # a vmap the model applies itself keeps the chain: lean, proven, and exact
+    inner = distop.Problem(lambda x: {"f": jnp.sum(jax.vmap(op)(x) ** 2)},
+                           {"x": np.arange(6.0).reshape(3, 2)}, backend="lean")
+    assert all(e.lean for e in inner.schedule), inner.schedule
+    all_close_everywhere(comm, inner.compute_totals()["f", "x"], 2 * np.arange(6.0)[None])
 
 
 # -- operators used directly in JAX code ----------------------------------------------

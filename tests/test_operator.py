@@ -189,3 +189,34 @@ def test_forward_mode_without_a_jvp_names_the_operator():
     with pytest.raises(distop.MissingMethodError,
                        match=r"OrderedSin does not implement jvp\(self, comm, tangent"):
         jax.jacfwd(sin())(X)
+
+
+class Mul(distop.DistributedOperator):
+    ordered = True
+
+    def forward(self, comm, x, y):
+        return x * y
+
+    def vjp(self, comm, g, x, y):
+        return g * y, g * x
+
+    def jvp(self, comm, tangents, x, y):
+        return tangents[0] * y + x * tangents[1]
+
+
+def test_derivatives_of_a_vmap_with_unbatched_arguments():
+    a, b = np.arange(6.0).reshape(3, 2) + 1, np.array([0.5, -2.0])
+
+    def f(a, b):
+        return jnp.sum(jax.vmap(Mul(), in_axes=(0, None))(a, b) ** 2)
+
+    def ref(a, b):
+        return jnp.sum((a * b) ** 2)
+
+    for got, want in zip(jax.grad(f, argnums=(0, 1))(a, b), jax.grad(ref, argnums=(0, 1))(a, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-14)  # b's cotangent: summed over rows
+    np.testing.assert_allclose(jax.jacfwd(f, argnums=1)(a, b), jax.jacfwd(ref, argnums=1)(a, b),
+                               rtol=1e-14)
+    np.testing.assert_allclose(jax.vmap(jax.grad(f, argnums=1), in_axes=(None, 0))(a, a[:, ::-1]),
+                               jax.vmap(jax.grad(ref, argnums=1), in_axes=(None, 0))(a, a[:, ::-1]),
+                               rtol=1e-14)

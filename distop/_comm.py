@@ -129,6 +129,7 @@ def private(comm):
             # A private duplicate of a duplicate is itself.
             _private[dup.py2f()] = dup
             _abort_on_uncaught_exception(dup)
+            _wait_for_peers_at_exit(dup)
     return dup
 
 
@@ -151,6 +152,47 @@ def _abort_on_uncaught_exception(comm):
 
     hook._distop = True
     sys.excepthook = hook
+
+
+_exit_comm = None
+
+
+def _wait_for_peers_at_exit(comm):
+    """At interpreter exit, wait for every rank to reach its own exit, at most as long as
+    the watchdog allows; a rank that leaves while the others still run distop programs
+    would otherwise leave them waiting forever (or be torn down by the launcher without a
+    word). Past the limit, say so and abort the job. Installed once, on the first private
+    communicator with several ranks (its duplicate is made at the same point everywhere).
+    """
+    global _exit_comm
+    if comm.Get_size() == 1 or _exit_comm is not None:
+        return
+    import atexit
+    import time
+
+    from ._safety import settings
+
+    _exit_comm = comm.Dup()
+
+    def wait():
+        MPI = mpi()
+        if MPI.Is_finalized():
+            return
+        request = _exit_comm.Ibarrier()
+        # A little longer than the watchdog, so that a stuck peer's own report comes first.
+        limit = settings.watchdog + 2 if settings.watchdog > 0 else float("inf")
+        deadline = time.monotonic() + limit
+        while not request.Test():
+            if time.monotonic() > deadline:
+                sys.stderr.write(
+                    f"distop: rank {comm.Get_rank()} of {comm.Get_size()} is exiting, but "
+                    f"not every rank reached its exit within {limit:g} s: the others are "
+                    "stuck or still running. Aborting the job so that none waits forever.\n")
+                sys.stderr.flush()
+                comm.Abort(1)
+            time.sleep(0.005)
+
+    atexit.register(wait)
 
 
 _checkers = {}

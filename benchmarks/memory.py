@@ -1,0 +1,100 @@
+"""python benchmarks/memory.py --ranks 2
+
+Peak memory of the large matvec scenario (M = 1e6 doubles, sparse blocks, K objectives):
+the growth of each rank's peak RSS over its baseline (after imports and building the
+data), for `run` and then `compute_totals`, distop against the hand-written numpy +
+mpi4py script. Each variant runs in its own `mpiexec` job (peak RSS only grows), and the
+table shows the max over ranks. Options: --ranks P (default 2), --size M (default
+1000000), --objectives K (default 16), --calls N (default 3).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve()
+
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(variant, size, objectives, calls):
+    import jax
+    import numpy as np
+    import scipy.sparse as sp
+    from mpi4py import MPI
+
+    sys.path.insert(0, str(HERE.parent.parent / "examples"))
+    import distributed_matvec as dm
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+    comm = MPI.COMM_WORLD
+    a_local = sp.random(size, size, density=4.0 / size, format="csr",
+                        random_state=np.random.default_rng(comm.rank))
+    x0 = np.sin(0.37 * np.arange(size)) + 0.1
+    w = np.random.default_rng(7).standard_normal((objectives, size))
+    base = peak_mib()
+    growth = {}
+    if variant == "hand":
+        from matvec import hand_written
+
+        for _ in range(calls):
+            hand_written(a_local, w, x0, True)[0]
+        growth["run"] = peak_mib() - base
+        for _ in range(calls):
+            hand_written(a_local, w, x0, True)
+        growth["compute_totals"] = peak_mib() - base
+    else:
+        problem = distop.Problem(dm.build(a_local, w, "reverse"), {"x": x0},
+                                 backend=None if variant == "distop" else "io_callback")
+        for _ in range(calls):
+            problem.run()
+        growth["run"] = peak_mib() - base
+        for _ in range(calls):
+            problem.compute_totals()
+        growth["compute_totals"] = peak_mib() - base
+    every = comm.gather(growth)
+    if comm.rank == 0:
+        print(json.dumps({k: max(g[k] for g in every) for k in growth}), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--size", type=int, default=1_000_000)
+    parser.add_argument("--objectives", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--variant")
+    args = parser.parse_args()
+    if args.variant:
+        return worker(args.variant, args.size, args.objectives, args.calls)
+    mpiexec = pathlib.Path(sys.executable).parent / "mpiexec"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    results = {}
+    for variant in ("hand", "distop", "io_callback"):
+        out = subprocess.run([str(mpiexec if mpiexec.exists() else "mpiexec"), "-n",
+                              str(args.ranks), sys.executable, str(HERE), "--variant",
+                              variant, "--size", str(args.size), "--objectives",
+                              str(args.objectives), "--calls", str(args.calls)],
+                             capture_output=True, text=True, env=env, check=True)
+        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"# peak RSS growth per rank over the post-setup baseline (MiB, max over "
+          f"{args.ranks} ranks), M={args.size}, K={args.objectives}, {args.calls} calls each")
+    print(f"{'entry':<16}{'hand':>10}{'distop':>10}{'io_cb':>10}{'distop/hand':>13}"
+          f"{'io_cb/hand':>12}")
+    for entry in ("run", "compute_totals"):
+        r = {v: results[v][entry] for v in results}
+        print(f"{entry:<16}{r['hand']:>10.1f}{r['distop']:>10.1f}{r['io_callback']:>10.1f}"
+              f"{r['distop'] / r['hand']:>13.2f}{r['io_callback'] / r['hand']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

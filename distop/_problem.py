@@ -132,7 +132,7 @@ class Problem:
         self._device = {}
         self._warned_loop = False
         self._token = jnp.zeros((), np.float64)
-        layout = self._layout(self._point)
+        layout = self._layout(self._point, ("Problem",))
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
         if unknown:
@@ -141,7 +141,8 @@ class Problem:
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
         try:
             self._schedule = self._program(
-                "compute_totals", ("batched", self._differentiable(layout.outputs)),
+                "compute_totals", ("batched", self._differentiable(layout.outputs),
+                                   self._differentiable(layout.inputs)),
                 layout).schedule
         except MissingMethodError:  # an operator without vjp: the model can still run
             self._schedule = self._program("run", (), layout).schedule
@@ -171,7 +172,7 @@ class Problem:
                 raise ValueError(f"run({name}=...): no input named '{name}'; inputs are "
                                  f"{list(self.input_names)}.")
             point[name] = _as_input(f"run({name}=...)", value)
-        layout = self._layout(point)
+        layout = self._layout(point, ("run",))
         outs = self._execute(self._program("run", (), layout), point)
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **outs}, "run")
@@ -194,7 +195,8 @@ class Problem:
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
         identical on every rank for the global format.
         """
-        layout = self._layout(self._point)
+        layout = self._layout(self._point, ("compute_totals", repr(of), repr(wrt), mode,
+                                            return_format))
         of = self._names("compute_totals", "of", of, self.output_names,
                          self._differentiable(layout.outputs))
         wrt = self._names("compute_totals", "wrt", wrt, self.input_names,
@@ -206,7 +208,7 @@ class Problem:
                              f"one of {list(FORMATS)}.")
         if not of or not wrt:
             return {}
-        program = self._program("compute_totals", (mode, of), layout)
+        program = self._program("compute_totals", (mode, of, wrt), layout)
         cts = self._execute(program, self._point)
         return _totals.assemble(self, layout, cts, of, wrt, return_format)
 
@@ -264,10 +266,10 @@ class Problem:
             return lambda point, deltas: batch(
                 lambda d: self._call_model({**point, **{k: point[k] + d[k] for k in d}}),
                 deltas)
-        mode, _ = options
+        mode, _, wrt = options
         if mode == "batched" and not vectorize:
             mode = "loop"
-        diff_names = self._differentiable(layout.inputs)
+        diff_names = wrt  # differentiate only what was asked for
 
         def totals(point, *packed):
             seeds = self._split_seeds(packed, layout)
@@ -349,18 +351,20 @@ class Problem:
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
         return {name: seeds[name] for name in layout.outputs}
 
-    def _layout(self, point):
-        """Agree with every rank on the shapes of `point` (one small collective per
-        call), and return its `Layout` (traced once per new shapes, on every rank)."""
+    def _layout(self, point, request):
+        """Agree with every rank on the request (the entry point and its arguments) and
+        the shapes of `point` (one small collective per call), and return its `Layout`
+        (traced once per new shapes, on every rank)."""
         local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
         dist_inputs = [k for k in point if k in self.distributed]
         counts = ()
         if self.comm.Get_size() > 1:
-            fixed = self._fixed.get(local)
-            if fixed is None:  # the shapes that must agree, and their hash: once per shapes
+            fixed = self._fixed.get((local, request))
+            if fixed is None:  # what must agree, and its hash: once per shapes and request
                 shapes = tuple((k, s[1:] if k in self.distributed else s, d)
                                for k, s, d in local)
-                fixed = self._fixed[local] = (shapes, _stable_hash(shapes))
+                fixed = self._fixed[local, request] = ((request, shapes),
+                                                       _stable_hash((request, shapes)))
             mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
                             dtype=np.int64)
             every = np.empty((self.comm.Get_size(), mine.size), np.int64)
@@ -369,11 +373,13 @@ class Problem:
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
                 raise DistopError(
-                    "the ranks passed inputs of different shapes or dtypes, so they would "
-                    "compile different programs:\n"
-                    + "\n".join(f"  rank {r}: {s}" for r, s in enumerate(shapes))
-                    + "\nPass the same shapes on every rank; only inputs named in "
-                    "Problem(distributed=...) may differ, and only in axis 0.")
+                    "the ranks called different entry points, with different arguments, or "
+                    "passed inputs of different shapes or dtypes, so they would run "
+                    "different programs:\n"
+                    + "\n".join(f"  rank {r}: {c} {s}" for r, (c, s) in enumerate(shapes))
+                    + "\nCall the same methods with the same arguments and shapes on every "
+                    "rank; only inputs named in Problem(distributed=...) may differ, and "
+                    "only in axis 0.")
             counts = tuple(map(tuple, every[:, 1:].T.tolist()))
         key = (local, counts)
         layout = self._layouts.get(key)

@@ -134,7 +134,8 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
     comm, rank = problem.comm, problem.comm.Get_rank()
     point = problem._point
-    layout = problem._layout(point)
+    layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), method, form,
+                                     step))
     of = problem._names("check_totals", "of", of, problem.output_names,
                         problem._differentiable(layout.outputs))
     wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,

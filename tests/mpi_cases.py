@@ -268,6 +268,12 @@ def shapes_changing_on_one_rank_raise_everywhere():
     else:
         raise AssertionError("no error")
     assert problem.run(x=np.ones(9))["f"] == 9.0  # agreed on every rank: recompiles
+    try:  # different requests on different ranks: an error everywhere, not a hang
+        problem.compute_totals(of="f", mode="batched" if rank == 0 else "loop")
+    except distop.DistopError as err:
+        assert "with different arguments" in str(err), str(err)
+    else:
+        raise AssertionError("no error")
 
 
 if __name__ == "__main__":

@@ -248,10 +248,10 @@ class HostCall:
         elif size > 1 and not isinstance(err, CollectiveMismatchError):
             # The other ranks may already wait in a collective (this operator's or a later
             # one) and cannot be told: report where we stand and end the job, never hang.
-            sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}"
-                             f"distop: aborting all {size} ranks.\n")
-            sys.stderr.flush()
-            self.comm.Abort(1)
+            from ._comm import abort
+
+            abort(self.comm, f"distop: {err}\n{traceback.format_exc()}"
+                             f"distop: aborting all {size} ranks.")
         with _error_lock:
             _last_error = err
         raise err

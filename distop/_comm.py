@@ -14,6 +14,27 @@ _lock = threading.Lock()
 _unavailable = None  # why mpi4py.MPI could not load, once tried
 
 
+def abort(comm, message):
+    """Print `message` on this rank, give the launcher time to forward it, and abort the
+    job (every rank). MPI_Abort tears the job down at once, and output still on its way
+    through the launcher would be lost.
+
+    **Arguments:**
+    - `comm`: the communicator to abort.
+    - `message`: the text to print (it should name the rank and where it stands).
+    """
+    import time
+
+    sys.stderr.write(message if message.endswith("\n") else message + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(ABORT_GRACE)
+    comm.Abort(1)
+
+
+ABORT_GRACE = 1.0  # seconds between the last words of a failing rank and MPI_Abort
+
+
 def start():
     """Load MPI, checking the launcher against the library before and after `MPI_Init`.
 
@@ -145,10 +166,8 @@ def _abort_on_uncaught_exception(comm):
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        sys.stderr.write(f"distop: uncaught {kind.__name__} on rank {comm.Get_rank()}; "
-                         f"aborting all {comm.Get_size()} ranks so none waits forever.\n")
-        sys.stderr.flush()
-        comm.Abort(1)
+        abort(comm, f"distop: uncaught {kind.__name__} on rank {comm.Get_rank()}; "
+                    f"aborting all {comm.Get_size()} ranks so none waits forever.")
 
     hook._distop = True
     sys.excepthook = hook
@@ -184,12 +203,10 @@ def _wait_for_peers_at_exit(comm):
         deadline = time.monotonic() + limit
         while not request.Test():
             if time.monotonic() > deadline:
-                sys.stderr.write(
-                    f"distop: rank {comm.Get_rank()} of {comm.Get_size()} is exiting, but "
-                    f"not every rank reached its exit within {limit:g} s: the others are "
-                    "stuck or still running. Aborting the job so that none waits forever.\n")
-                sys.stderr.flush()
-                comm.Abort(1)
+                abort(comm, f"distop: rank {comm.Get_rank()} of {comm.Get_size()} is exiting, "
+                            f"but not every rank reached its exit within {limit:g} s: the "
+                            "others are stuck or still running. Aborting the job so that "
+                            "none waits forever.")
             time.sleep(0.005)
 
     atexit.register(wait)

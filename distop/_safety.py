@@ -11,7 +11,6 @@ with `distop.configure`; they apply to programs traced afterwards.
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 
@@ -108,18 +107,15 @@ class Watchdog:
 
     @staticmethod
     def _abort(stuck):
-        from ._comm import world as world_comm
+        from ._comm import abort, world
 
-        world = world_comm()
-        for where, waited in stuck:
-            sys.stderr.write(
-                f"distop watchdog: rank {world.Get_rank()} of {world.Get_size()} has waited "
-                f"{waited:.0f} s in {where} (limit DISTOP_WATCHDOG={settings.watchdog:g} s). "
-                "Another rank is elsewhere: it failed, exited, or runs a different "
-                "schedule (rank-dependent control flow; DISTOP_CHECK_COLLECTIVES=1 names "
-                "it). Aborting the job.\n")
-        sys.stderr.flush()
-        world.Abort(1)
+        comm = world()
+        abort(comm, "".join(
+            f"distop watchdog: rank {comm.Get_rank()} of {comm.Get_size()} has waited "
+            f"{waited:.0f} s in {where} (limit DISTOP_WATCHDOG={settings.watchdog:g} s). "
+            "Another rank is elsewhere: it failed, exited, or runs a different "
+            "schedule (rank-dependent control flow; DISTOP_CHECK_COLLECTIVES=1 names "
+            "it). Aborting the job.\n" for where, waited in stuck))
 
 
 class _Watch:

@@ -105,7 +105,8 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                        PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]))
     environment.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
                             text=True, env=environment, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)

@@ -4,7 +4,6 @@ import os
 import sys
 import threading
 
-import numpy as np
 
 from . import _launch
 from ._errors import LauncherMismatchError, MPIUnavailableError
@@ -226,21 +225,3 @@ def checker(comm):
         if found is None:
             found = _checkers[key] = Checker(comm.Dup())
     return found
-
-
-def all_equal(comm, value):
-    """Whether an integer is the same on every rank (one small Allreduce).
-
-    **Arguments:**
-    - `comm`: the communicator.
-    - `value`: an integer that fits in int64.
-
-    **Returns:** True on every rank if all ranks passed the same value, else False on
-    every rank.
-    """
-    if comm.Get_size() == 1:
-        return True
-    buf = np.array([value, -value], dtype=np.int64)
-    out = np.empty_like(buf)
-    comm.Allreduce(buf, out, op=mpi().MAX)
-    return out[0] == -out[1]

@@ -65,11 +65,7 @@ class HostCall:
                  batch_shape=(), lean=False):
         self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
         self.lean = lean
-        self.ffi_id = None
-        if lean:
-            from ._ffi import register
-
-            self.ffi_id = register(self)
+        self.ffi_id = None  # set when lowered (see _ffi.register)
         self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
         diff_in = tuple(i for i, s in enumerate(in_specs) if _inexact(s))
         diff_out = tuple(i for i, s in enumerate(out_specs) if _inexact(s))
@@ -86,6 +82,7 @@ class HostCall:
         linear_specs = tuple((in_specs if phase == "jvp" else out_specs)[i] for i in self.slots)
         self.arg_specs = linear_specs + self.in_specs
         self.batch_shape = tuple(batch_shape)
+        self._shapes = None
         self.levels = (levels if levels is not None
                        else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
         cls = type(op)
@@ -108,6 +105,15 @@ class HostCall:
         batch = f" batch={list(self.batch_shape)}" if self.batch_shape else ""
         kind = "lean" if self.lean else "ordered" if self.ordered else "unordered"
         return f"{self.where}[{kind}{batch}]"
+
+    def shapes(self):
+        """**Returns:** the `jax.ShapeDtypeStruct`s of the results XLA receives (batched)."""
+        if self._shapes is None:
+            import jax
+
+            self._shapes = tuple(jax.ShapeDtypeStruct(self.batch_shape + s.shape, s.dtype)
+                                 for s in self.result_specs)
+        return self._shapes
 
     def with_phase(self, phase, linear_levels=None):
         """The same operator call in another phase, at the same batch levels.

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 TARGET = "distop_host_call"
-_calls = {}  # call_id -> HostCall; call sites live as long as the programs using them
+_calls = {}  # call_id -> HostCall (or FusedCall) of every lowered lean call site
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _registered = False
@@ -156,8 +156,8 @@ _HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))(_handler)
 
 
 def register(call):
-    """Give `call` (a `HostCall`) a unique id for its call site; register the FFI target
-    with XLA on first use.
+    """Give `call` (a lean `HostCall` or `FusedCall`, when lowered) a unique id for its
+    call site; register the FFI target with XLA on first use.
 
     **Returns:** the id, passed to the target as the `call_id` attribute.
     """

@@ -156,7 +156,7 @@ def apply(op, inputs):
             raise TypeError(f"{name}(...): input {k} is a {type(x).__name__}, not an "
                             "array; pass jax or numpy arrays or numbers.") from err
     in_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    out_specs = op.output_spec(*in_specs)
+    out_specs = type(op).output_spec(op, *in_specs)  # class-level: no bound-method wrap
     several = isinstance(out_specs, (tuple, list))
     out_specs = tuple(out_specs) if several else (out_specs,)
     for s in out_specs:
@@ -164,7 +164,7 @@ def apply(op, inputs):
             raise TypeError(f"{name}.output_spec returned {s!r}; expected "
                             "jax.ShapeDtypeStruct(shape, dtype) per output.")
     out_specs = tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_specs)
-    ordered = op.is_ordered()
+    ordered = type(op).is_ordered(op)
     lean = ordered and _ffi.session() is not None
     call = HostCall(op, "forward", _comm.private(op.comm), ordered, in_specs, out_specs,
                     lean=lean)
@@ -194,36 +194,48 @@ host_call_p = Primitive("distop_host_call")
 host_call_p.multiple_results = True
 
 
-def _shapes(call):
-    return tuple(jax.ShapeDtypeStruct(call.batch_shape + s.shape, s.dtype)
-                 for s in call.result_specs)
-
-
 _TOKEN = ShapedArray((), np.float64)
 
 
 def _abstract_eval(*args, call):
-    avals = [ShapedArray(s.shape, s.dtype) for s in _shapes(call)]
+    avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
     if call.lean:
         return [_TOKEN] + avals, no_effects
     return avals, ({ORDERED_IO_EFFECT} if call.ordered else no_effects)
 
 
 def _lower(*args, call):
-    if call.phase != "forward" and getattr(type(call.op), call.phase) is getattr(
+    """The ordered (io_callback) and unordered (pure_callback) lowerings."""
+    _require_method(call)
+    if call.ordered:
+        return io_callback(call, call.shapes(), *args, ordered=True)
+    # Unordered: the naive lowering, free to be reordered, run concurrently or dropped.
+    return jax.pure_callback(call, call.shapes(), *args)
+
+
+_lower_callback = mlir.lower_fun(_lower, multiple_results=True)
+_lower_ffi = jax.ffi.ffi_lowering(_ffi.TARGET)
+
+
+def _lowering(ctx, *args, call):
+    """Lean calls lower straight to the FFI custom call (no per-call tracing: a model
+    with thousands of calls lowers in time linear in their number)."""
+    if not call.lean:
+        return _lower_callback(ctx, *args, call=call)
+    _require_method(call)
+    if call.phase == "jvp":  # its token is not part of the program's chain
+        raise NotImplementedError(
+            f"{call.where}: forward mode (jax.jvp, jacfwd) inside a Problem's model "
+            "needs Problem(..., backend='io_callback').")
+    if call.ffi_id is None:
+        call.ffi_id = _ffi.register(call)
+    return _lower_ffi(ctx, *args, call_id=np.int64(call.ffi_id))
+
+
+def _require_method(call):
+    if call.phase in ("jvp", "vjp") and getattr(type(call.op), call.phase) is getattr(
             DistributedOperator, call.phase):
         raise MissingMethodError(_missing(call.op, call.phase))
-    if call.lean:
-        if call.phase == "jvp":  # its token is not part of the program's chain
-            raise NotImplementedError(
-                f"{call.where}: forward mode (jax.jvp, jacfwd) inside a Problem's model "
-                "needs Problem(..., backend='io_callback').")
-        return jax.ffi.ffi_call(_ffi.TARGET, (jax.ShapeDtypeStruct((), np.float64),)
-                                + _shapes(call))(*args, call_id=np.int64(call.ffi_id))
-    if call.ordered:
-        return io_callback(call, _shapes(call), *args, ordered=True)
-    # Unordered: the naive lowering, free to be reordered, run concurrently or dropped.
-    return jax.pure_callback(call, _shapes(call), *args)
 
 
 def _jvp(primals, tangents, *, call):
@@ -310,7 +322,7 @@ def _missing(op, phase):
 host_call_p.def_effectful_abstract_eval(_abstract_eval)
 host_call_p.def_impl(  # outside jit: call the host directly, in Python's own order
     lambda *args, call: [jnp.asarray(r) for r in call(*(np.asarray(a) for a in args))])
-mlir.register_lowering(host_call_p, mlir.lower_fun(_lower, multiple_results=True))
+mlir.register_lowering(host_call_p, _lowering)
 ad.primitive_jvps[host_call_p] = _jvp
 ad.primitive_transposes[host_call_p] = _transpose
 batching.primitive_batchers[host_call_p] = _batch

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxpr_as_fun
 
-from . import _comm, _ffi, _safety, _schedule, _totals
+from . import _comm, _ffi, _rewrite, _safety, _schedule, _totals
 from ._callback import take_error
 from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError
@@ -62,6 +63,7 @@ class Program:
     outputs: dict  # name -> (shape, dtype) of the program's results, before packing
     make_extra: object = tuple
     checker: object = None
+    calls: int = 0  # lean host calls per run: each adds one to the token
     _extra: tuple | None = None
     _plan: tuple | None = None
 
@@ -96,6 +98,10 @@ class Problem:
       (default; an XLA FFI call ordered by a token chain, see docs/architecture.md;
       programs where the chain cannot be proven fall back to `"io_callback"`) or
       `"io_callback"` (JAX's ordered `io_callback`). Default from `DISTOP_BACKEND`.
+    - `fuse`: on the lean path, run operator calls that are independent of each other
+      and next to each other in the schedule in ONE host call, one after another in
+      schedule order (same results, same collectives in the same order, fewer
+      dispatches; `schedule` shows the groups). Default True, or `DISTOP_FUSE=0`.
 
     Attributes: `schedule` (the operator calls of the `compute_totals` program, in
     program order: forward, then vjp; only forward if an operator has no `vjp`),
@@ -103,7 +109,7 @@ class Problem:
     """
 
     def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False,
-                 backend=None):
+                 backend=None, fuse=None):
         if not callable(model):
             raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
                             "a function called as model(**inputs) returning a dict.")
@@ -119,6 +125,8 @@ class Problem:
         if self.backend not in BACKENDS:
             raise ValueError(f"Problem(backend={self.backend!r}): expected one of "
                              f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
+        self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
+                     if fuse is None else bool(fuse))
         self._point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
                        for name, value in inputs.items()}
         self.input_names = tuple(self._point)
@@ -130,6 +138,7 @@ class Problem:
         self._fixed = {}
         self._programs = {}
         self._device = {}
+        self._traced_run = None  # (inputs, traced run program) of the newest layout
         self._warned_loop = False
         self._token = jnp.zeros((), np.float64)
         layout = self._layout(self._point, ("Problem",))
@@ -389,9 +398,13 @@ class Problem:
         return layout
 
     def _new_layout(self, point, counts):
+        """The `Layout` of a point with new shapes (traces the model, on every rank)."""
         inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
-        outputs = dict(self._agree("tracing the model",
-                                   lambda: jax.eval_shape(self._call_model, inputs)))
+        # The run program, traced now: its outputs are the layout's (one trace of the
+        # model serves both), and `_program` takes it over once the layout exists.
+        run = self._trace("run", (), _Inputs(inputs), (), True)
+        outputs = {k: jax.ShapeDtypeStruct(*run[1][k]) for k in sorted(run[1])}
+        self._traced_run = (inputs, run)
         if self.comm.Get_size() == 1:
             counts.update({k: (s.shape[0],) for k, s in outputs.items()
                            if k in self.distributed and s.ndim})
@@ -434,8 +447,13 @@ class Problem:
             else:
                 specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                      make_extra())
+            pending = self._traced_run if name == "run" else None
             try:
-                fn, outputs, traced = self._trace(name, options, layout, specs, True)
+                if pending is not None and pending[0] is layout.inputs:
+                    self._traced_run = None
+                    fn, outputs, jaxpr = pending[1]
+                else:
+                    fn, outputs, jaxpr = self._trace(name, options, layout, specs, True)
             except NotImplementedError as err:
                 if "not supported in vmap" not in str(err):
                     raise
@@ -448,12 +466,13 @@ class Problem:
                                   "callbacks), so seeds and finite-difference perturbations "
                                   "run in a loop, one per iteration, instead of one batch.",
                                   stacklevel=3)
-                fn, outputs, traced = self._trace(name, options, layout, specs, False)
+                fn, outputs, jaxpr = self._trace(name, options, layout, specs, False)
             with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
-                schedule = _schedule.agree(self.comm, name, _schedule.extract(traced.jaxpr))
+                schedule = _schedule.agree(self.comm, name, _schedule.extract(jaxpr))
             checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
                        and self.comm.Get_size() > 1 else None)
-            found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker)
+            found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
+                                                  _rewrite.host_calls(jaxpr.jaxpr))
         return found
 
     def _trace(self, name, options, layout, specs, vectorize):
@@ -463,14 +482,41 @@ class Problem:
         if self.backend == "lean":
             try:
                 found = self._trace_with(name, options, layout, specs, vectorize, True)
-                if _ffi.chained(found[2].jaxpr):
-                    return found
             except Exception:  # noqa: BLE001 - same on every rank; io_callback decides
                 # Typically the model moved the token into a loop, a branch or its own
                 # transformation (UnexpectedTracerError). Any genuine error of the model
                 # comes back from the io_callback trace below.
-                pass
+                found = None
+            if found is not None and _ffi.chained(found[2]):
+                return self._rewritten(name, found, layout, specs)
         return self._trace_with(name, options, layout, specs, vectorize, False)
+
+    def _rewritten(self, name, found, layout, specs):
+        """A traced lean program with its neighbour calls fused (if `fuse`) and a long
+        chain cut into segments (see _rewrite.py); `found` itself if neither applies.
+        One agreement step on every rank, whatever applies (so rank-dependent programs
+        reach the schedule check in step).
+
+        **Returns:** (function, outputs, the program before segments: its schedule)."""
+        return self._agree(f"{name}: rewriting the program",
+                           lambda: self._rewrite(found, layout, specs))
+
+    def _rewrite(self, found, layout, specs):
+        from ._operator import host_call_p
+
+        closed = found[2]
+        fused = _rewrite.fuse(closed, host_call_p) if self.fuse else None
+        if fused is not None:
+            if not _ffi.chained(fused):
+                raise DistopError("the fused program is not one chain")
+            closed = fused
+        run = _rewrite.segmented(closed)
+        if run is None and fused is None:
+            return found
+        run = run or jaxpr_as_fun(closed)
+        fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
+        fn.trace(jax.ShapeDtypeStruct((), np.float64), layout.inputs, *specs)
+        return fn, found[1], closed
 
     def _trace_with(self, name, options, layout, specs, vectorize, lean):
         body, outputs = self._build(name, options, layout, vectorize), {}
@@ -489,13 +535,19 @@ class Problem:
         token = jax.ShapeDtypeStruct((), np.float64)
         traced = self._agree(f"{name}: tracing the program",
                              lambda: fn.trace(token, layout.inputs, *specs))
-        return fn, outputs, traced
+        return fn, outputs, traced.jaxpr
 
     def _execute(self, program, point):
         try:
-            *packed, self._token = program.fn(self._token, self._on_device(point),
-                                              *program.extra)
+            start = self._token
+            *packed, self._token = program.fn(start, self._on_device(point), *program.extra)
             values = _unpack(packed, program.plan)
+            if program.calls and float(self._token) - float(start) != program.calls:
+                raise DistopError(
+                    f"rank {self.comm.Get_rank()}: the program made "
+                    f"{float(self._token) - float(start)} host calls instead of "
+                    f"{program.calls}; please report this as a bug of distop, with your "
+                    "jax version. Problem(..., backend='io_callback') avoids the lean path.")
             if program.checker is not None:
                 # A rank whose program skipped a collective (rank-dependent control flow)
                 # meets the others' next collective here, and every rank raises.
@@ -551,6 +603,13 @@ class Problem:
                 raise ValueError(f"{method}({arg}={names!r}): {kind} {n!r} is not "
                                  "floating point, so it has no derivative.")
         return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What tracing needs of a `Layout` before the layout exists: the inputs."""
+
+    inputs: dict
 
 
 def _as_input(where, value):

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._callback import HostCall
 from ._errors import ScheduleMismatchError
+from ._rewrite import FusedCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +24,9 @@ class ScheduleEntry:
     batched), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`),
     `input_distributed`, `output_distributed` (per argument: whether its local axis 0
     differs between ranks, in which case the shape shows the global size of that axis),
-    `lean` (called through the lean path: ordered by the program's token chain).
+    `lean` (called through the lean path: ordered by the program's token chain),
+    `group` (the host call that runs the entry, counted in program order: entries with
+    the same group were fused into one host call and run one after another in it).
     """
 
     index: int
@@ -40,6 +43,7 @@ class ScheduleEntry:
     input_distributed: tuple[bool, ...] = ()
     output_distributed: tuple[bool, ...] = ()
     lean: bool = False
+    group: int = 0
 
     @property
     def shapes(self):
@@ -58,7 +62,7 @@ class ScheduleEntry:
         return (f"{self.operator}.{self.phase} collectives={list(self.collectives)} "
                 f"in=({ins}) out=({outs}) batch={list(self.batch)} "
                 f"{'lean' if self.lean else 'ordered' if self.ordered else 'unordered'}"
-                + (f" in {self.context}" if self.context else ""))
+                + (f" in {self.context}" if self.context else "") + f" call {self.group}")
 
 
 def _arrays(shapes, dtypes, distributed):
@@ -76,16 +80,18 @@ def extract(closed_jaxpr):
     **Returns:** a tuple of `ScheduleEntry`, in program order.
     """
     entries = []
-    _walk(closed_jaxpr, "", entries)
+    _walk(closed_jaxpr, "", entries, [0])
     return tuple(dataclasses.replace(e, index=i) for i, e in enumerate(entries))
 
 
-def _walk(jaxpr, context, entries):
+def _walk(jaxpr, context, entries, calls):
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         call = eqn.params.get("call")
-        if isinstance(call, HostCall):
-            entries.append(_entry(call, context))
+        if isinstance(call, (HostCall, FusedCall)):
+            for member in getattr(call, "members", (call,)):
+                entries.append(_entry(member, context, calls[0]))
+            calls[0] += 1
             continue
         name = eqn.primitive.name
         if name == "scan":
@@ -101,10 +107,10 @@ def _walk(jaxpr, context, entries):
             for k, j in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
                 if hasattr(getattr(j, "jaxpr", j), "eqns"):
                     where = f"{sub}.branch{k}" if name == "cond" else sub
-                    _walk(j, where, entries)
+                    _walk(j, where, entries, calls)
 
 
-def _entry(call, context):
+def _entry(call, context, group):
     op = call.op
     inputs = call.in_specs
     return ScheduleEntry(
@@ -120,6 +126,7 @@ def _entry(call, context):
         ordered=call.ordered,
         context=context,
         lean=call.lean,
+        group=group,
     )
 
 

@@ -125,6 +125,45 @@ def io_callback_calls_run_exactly_once_in_order_one_at_a_time():
 
 
 @case("core")
+def fusion_runs_independent_neighbours_in_one_call_in_the_same_order():
+    log, active = [], [0]
+    ops = [Logged(i, log, active) for i in range(6)]
+
+    def model(x):
+        a, b = ops[0](x), ops[1](2 * x)  # independent: one host call
+        c = ops[2](a * b)  # reads both: a host call after theirs
+        d = ops[3](x)  # independent of c: joins it
+        e = ops[4](jnp.sin(c))  # reads c: a new host call
+        return {"f": jnp.sum(e ** 2) + jnp.sum(d * x), "g": jnp.sum(ops[5](c) * a)}
+
+    x0 = np.array([0.3, -0.7, 1.1])
+    runs = {}
+    for fuse in (True, False):
+        problem = distop.Problem(model, {"x": x0}, fuse=fuse, backend="lean")
+        log.clear()
+        values = problem.run()
+        forward = list(log)
+        log.clear()
+        J = problem.compute_totals()
+        runs[fuse] = (problem.schedule, forward, list(log), values, J)
+    (fused, f_log, t_log, values, J), (plain, f_plain, t_plain, v_plain, J_plain) = (
+        runs[True], runs[False])
+    assert [e.group for e in plain] == list(range(len(plain))), plain
+    groups = [e.group for e in fused]
+    assert groups == sorted(groups) and len(set(groups)) < len(fused), fused
+    assert fused[0].group == fused[1].group != fused[2].group == fused[3].group, fused
+    assert fused[4].group != fused[3].group, fused
+    # the same calls, in the same order, one at a time; the same numbers, bit for bit
+    assert f_log == f_plain and t_log == t_plain and all(n == 1 for *_, n in t_log), t_log
+    assert [e.describe().rsplit(" call ", 1)[0] for e in fused] == [
+        e.describe().rsplit(" call ", 1)[0] for e in plain]
+    assert all(np.array_equal(values[k], v_plain[k]) for k in values)
+    assert all(np.array_equal(J[k], J_plain[k]) for k in J)
+    all_close_everywhere(comm, J["f", "x"], jax.jacrev(
+        lambda x: jnp.sum(jnp.sin(x * 2 * x) ** 2) + jnp.sum(x * x))(x0)[None])
+
+
+@case("core")
 def programs_the_lean_path_cannot_prove_fall_back_to_io_callback():
     log, active = [], [0]
     op = Logged(0, log, active)

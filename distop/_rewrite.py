@@ -1,0 +1,267 @@
+"""Rewrites of a proven lean program: fusion of host calls, and segments.
+
+**Fusion.** A traced lean program (see _ffi.py) runs its communicating calls along one token chain.
+Two neighbours on the chain are independent when the later one reads nothing the earlier
+one computed (other than the token). A run of such neighbours is replaced by one
+`FusedCall`, which runs its members one after another, in chain order, in one host call:
+the same user methods, the same collectives in the same order, one dispatch instead of
+many. The rest of the program is reordered around the fused call (a topological order
+that keeps the original order wherever it can), and the result is again one chain.
+
+**Segments.** XLA's CPU runtime orders a program's operations by comparing each one with
+every earlier one when it builds the executable, so a flat program of thousands of host
+calls compiles in time that grows with their square (measured: the step after code
+generation takes 0.11 s for 1000 calls, 0.87 s for 2000, 4.7 s for 4000). A long chain
+is therefore cut into segments of `SEGMENT` host calls, each run as the taken branch of
+a `lax.cond` on the token (`token >= 0`, always true, unknown to XLA, so the branch is
+kept): every branch is a small program of its own, and compile time grows linearly. The
+token still runs through every call in order; the other branch would return a NaN
+token, which the count of calls checked after every run would catch.
+"""
+
+import heapq
+import itertools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
+
+SEGMENT = 64  # host calls per segment of a long chain
+
+
+class FusedCall:
+    """Several lean `HostCall`s run by one host call, in order.
+
+    **Arguments:**
+    - `members`: the `HostCall`s, in chain order.
+    - `wiring`: per member, per argument: `(False, k)` for the fused call's argument k,
+      or `(True, k)` for result k of the members before it (counted over all of them).
+    - `returned`: the member results (same counting) that leave the fused call, in order.
+    """
+
+    lean = ordered = True
+    phase = "fused"
+
+    def __init__(self, members, wiring, returned):
+        self.members, self.wiring, self.returned = tuple(members), wiring, returned
+        self.ffi_id = None  # set when lowered (see _ffi.register)
+
+    def __repr__(self):
+        return f"fused[{', '.join(map(repr, self.members))}]"
+
+    def shapes(self):
+        """**Returns:** the `jax.ShapeDtypeStruct`s of the returned results."""
+        every = [s for m in self.members for s in m.shapes()]
+        return tuple(every[k] for k in self.returned)
+
+    def __call__(self, *args):
+        results = []
+        for member, wiring in zip(self.members, self.wiring):
+            results.extend(member(*[results[k] if inner else args[k]
+                                    for inner, k in wiring]))
+        return [results[k] for k in self.returned]
+
+
+def _lean(eqn):
+    return getattr(eqn.params.get("call"), "lean", False)
+
+
+def fuse(closed_jaxpr, primitive):
+    """Fuse runs of neighbours on a proven token chain (see `_groups`).
+
+    **Arguments:**
+    - `closed_jaxpr`: a traced program whose lean calls form one chain at top level (as
+      checked by `_ffi.chained`).
+    - `primitive`: the host-call primitive to bind for fused calls.
+
+    **Returns:** the rewritten `ClosedJaxpr`, or None if no two calls can be fused (or
+    the program has other effects, whose order a reordering could change).
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    if any(eqn.effects and not _lean(eqn) for eqn in eqns):
+        return None
+    groups, uses = _groups(jaxpr)
+    if all(len(g) == 1 for g in groups):
+        return None
+    order = _topological(_nodes(jaxpr, groups, uses, primitive))
+    new = Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, order, jaxpr.effects,
+                jaxpr.debug_info)
+    return ClosedJaxpr(new, closed_jaxpr.consts)
+
+
+def _groups(jaxpr):
+    """The chain's calls (equation indices), cut into runs that one host call can run:
+    each call of a run reads only values computed before the run or results of the
+    calls before it in the run, as they are (no XLA operation in between)."""
+    uses = {}
+    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
+        if isinstance(v, Var):
+            uses[v] = uses.get(v, 0) + 1
+    deps = {}  # var -> bit set of the chain calls it depends on (through data, not token)
+    groups, mask, made, position = [], 0, set(), 0
+    previous_token = None
+    for i, eqn in enumerate(jaxpr.eqns):
+        lean = _lean(eqn)
+        reads = [v for v in (eqn.invars[1:] if lean else eqn.invars) if isinstance(v, Var)]
+        need = 0
+        for v in reads:
+            need |= deps.get(v, 0)
+        if lean:
+            bit = 1 << position
+            position += 1
+            joins = (groups and uses.get(previous_token, 0) == 1
+                     and all(v in made or not deps.get(v, 0) & mask for v in reads))
+            if joins:
+                groups[-1].append(i)
+                mask |= bit
+            else:
+                groups.append([i])
+                mask, made = bit, set()
+            made.update(eqn.outvars[1:])
+            previous_token = eqn.outvars[0]
+            need |= bit
+        for v in eqn.outvars:
+            deps[v] = need
+    return groups, uses
+
+
+def _nodes(jaxpr, groups, uses, primitive):
+    """**Returns:** (original position, equation) for every equation, with each group
+    of calls replaced by one fused equation at the position of its first call."""
+    eqns = jaxpr.eqns
+    member = {i: g for g in groups for i in g}
+    outside = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    nodes = []
+    for i, eqn in enumerate(eqns):
+        group = member.get(i)
+        if group is None or len(group) == 1:
+            nodes.append((i, eqn))
+            continue
+        if i != group[0]:
+            continue
+        calls = [eqns[j] for j in group]
+        made, inputs, wiring, results = {}, {}, [], []
+        for e in calls:
+            wiring.append(tuple((True, made[v]) if v in made
+                                else (False, inputs.setdefault(v, len(inputs)))
+                                for v in e.invars[1:]))
+            for v in e.outvars[1:]:
+                made[v] = len(results)
+                results.append(v)
+        # a result leaves the fused call unless only later calls of the group read it
+        inner_reads = {}
+        for e in calls:
+            for v in e.invars[1:]:
+                if v in made:
+                    inner_reads[v] = inner_reads.get(v, 0) + 1
+        returned = [k for k, v in enumerate(results)
+                    if v in outside or uses.get(v, 0) > inner_reads.get(v, 0)]
+        call = FusedCall([e.params["call"] for e in calls], tuple(wiring), tuple(returned))
+        nodes.append((i, new_jaxpr_eqn([calls[0].invars[0]] + list(inputs),
+                                       [calls[-1].outvars[0]] + [results[k] for k in returned],
+                                       primitive, {"call": call}, calls[0].effects,
+                                       calls[0].source_info, calls[0].ctx)))
+    return nodes
+
+
+def _topological(nodes):
+    """The nodes in a topological order, earliest original position first."""
+    producer = {}
+    for k, (_, eqn) in enumerate(nodes):
+        for v in eqn.outvars:
+            producer[v] = k
+    waiting, users = [], {}
+    for k, (_, eqn) in enumerate(nodes):
+        before = {producer[v] for v in eqn.invars if isinstance(v, Var) and v in producer}
+        waiting.append(len(before))
+        for p in before:
+            users.setdefault(p, []).append(k)
+    ready = [(nodes[k][0], k) for k in range(len(nodes)) if waiting[k] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(nodes[k][1])
+        for u in users.get(k, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (nodes[u][0], u))
+    if len(order) != len(nodes):  # cannot happen for runs of chain neighbours
+        raise AssertionError("distop fusion: the rewritten program has a cycle")
+    return order
+
+
+# -- segments -------------------------------------------------------------------------
+def host_calls(jaxpr):
+    """**Returns:** the number of lean host calls at the top level of `jaxpr`."""
+    return sum(1 for eqn in jaxpr.eqns if _lean(eqn))
+
+
+def segmented(closed_jaxpr, size=SEGMENT):
+    """A function evaluating `closed_jaxpr` (flat arguments, flat results) with its chain
+    cut into segments of `size` host calls, each the taken branch of a conditional; None
+    if the chain has at most `size` calls."""
+    jaxpr = closed_jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    bounds, calls = [0], 0
+    for i, eqn in enumerate(eqns):
+        if _lean(eqn):
+            calls += 1
+            if calls % size == 0:
+                bounds.append(i + 1)
+    if calls <= size:
+        return None
+    if bounds[-1] != len(eqns):
+        bounds.append(len(eqns))
+    needed, pieces = set(_vars(jaxpr.outvars)), []
+    for start, stop in reversed(list(itertools.pairwise(bounds))):
+        pieces.append(_segment(eqns[start:stop], needed))
+        for eqn in eqns[start:stop]:
+            needed.update(_vars(eqn.invars))
+    pieces.reverse()
+
+    def run(*args):
+        env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+        env.update(zip(jaxpr.invars, args))
+        for inputs, outputs, branch, token, token_out in pieces:
+            values = [env[v] for v in inputs]
+            if token is None:  # no host call in this piece
+                results = branch(*values)
+            else:
+                results = lax.cond(env[token] >= 0, branch,
+                                   _not_taken(outputs, token_out), *values)
+            env.update(zip(outputs, results))
+        return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+
+    return run
+
+
+def _vars(atoms):
+    return [v for v in atoms if isinstance(v, Var)]
+
+
+def _segment(eqns, needed):
+    """**Returns:** (inputs, outputs, branch function, input token, output token) of a
+    piece of the program (tokens None if it has no host call); `needed` holds the
+    variables read after it."""
+    defined, inputs, seen = set(), [], set()
+    for eqn in eqns:
+        for v in _vars(eqn.invars):
+            if v not in defined and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+        defined.update(eqn.outvars)
+    outputs = [v for eqn in eqns for v in eqn.outvars if v in needed]
+    token = next((eqn.invars[0] for eqn in eqns if _lean(eqn)), None)
+    token_out = next((eqn.outvars[0] for eqn in reversed(eqns) if _lean(eqn)), None)
+    branch = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, eqns), []))
+    return inputs, outputs, branch, token, token_out
+
+
+def _not_taken(outputs, token_out):
+    """The branch never taken: zeros, and a NaN token that fails the count of calls."""
+    def branch(*_):
+        return [jnp.full(v.aval.shape, jnp.nan if v is token_out else 0, v.aval.dtype)
+                for v in outputs]
+    return branch

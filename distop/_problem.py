@@ -2,6 +2,7 @@
 
 import dataclasses
 import hashlib
+import math
 import os
 import sys
 import warnings
@@ -35,12 +36,20 @@ class Layout:
         """**Returns:** the local `jax.ShapeDtypeStruct` of input or output `name`."""
         return self.inputs[name] if name in self.inputs else self.outputs[name]
 
+    def __post_init__(self):
+        sizes = {}  # computed once: every compute_totals reads them
+        for name, spec in {**self.inputs, **self.outputs}.items():
+            tail = math.prod(spec.shape[1:]) if spec.shape else 1
+            sizes[name] = (sum(self.counts[name]) * tail if name in self.counts
+                           else math.prod(spec.shape))
+        object.__setattr__(self, "_sizes", sizes)
+        object.__setattr__(self, "differentiable", {
+            which: tuple(k for k, s in specs.items() if np.issubdtype(s.dtype, np.inexact))
+            for which, specs in (("inputs", self.inputs), ("outputs", self.outputs))})
+
     def global_size(self, name):
         """**Returns:** the flat size of `name` over all ranks (its own if replicated)."""
-        spec = self.spec(name)
-        if name not in self.counts:
-            return int(np.prod(spec.shape))
-        return sum(self.counts[name]) * int(np.prod(spec.shape[1:]))
+        return self._sizes[name]
 
     def local_rows(self, name, rank):
         """**Returns:** (start, stop) of this rank's flat entries within `name`'s global
@@ -48,7 +57,7 @@ class Layout:
         if name not in self.counts:
             return 0, self.global_size(name)
         spec = self.spec(name)
-        tail = int(np.prod(spec.shape[1:]))
+        tail = math.prod(spec.shape[1:])
         start = sum(self.counts[name][:rank]) * tail
         return start, start + self.counts[name][rank] * tail
 
@@ -141,6 +150,7 @@ class Problem:
         self._traced_run = None  # (inputs, traced run program) of the newest layout
         self._warned_loop = False
         self._token = jnp.zeros((), np.float64)
+        self._calls = 0  # the token's value: lean host calls run so far
         layout = self._layout(self._point, ("Problem",))
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
@@ -150,8 +160,8 @@ class Problem:
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
         try:
             self._schedule = self._program(
-                "compute_totals", ("batched", self._differentiable(layout.outputs),
-                                   self._differentiable(layout.inputs)),
+                "compute_totals", ("batched", layout.differentiable["outputs"],
+                                   layout.differentiable["inputs"]),
                 layout).schedule
         except MissingMethodError:  # an operator without vjp: the model can still run
             self._schedule = self._program("run", (), layout).schedule
@@ -207,9 +217,9 @@ class Problem:
         layout = self._layout(self._point, ("compute_totals", repr(of), repr(wrt), mode,
                                             return_format))
         of = self._names("compute_totals", "of", of, self.output_names,
-                         self._differentiable(layout.outputs))
+                         layout.differentiable["outputs"])
         wrt = self._names("compute_totals", "wrt", wrt, self.input_names,
-                          self._differentiable(layout.inputs))
+                          layout.differentiable["inputs"])
         if mode not in MODES:
             raise ValueError(f"compute_totals(mode={mode!r}): expected one of {list(MODES)}.")
         if return_format not in FORMATS:
@@ -539,15 +549,17 @@ class Problem:
 
     def _execute(self, program, point):
         try:
-            start = self._token
-            *packed, self._token = program.fn(start, self._on_device(point), *program.extra)
+            *packed, self._token = program.fn(self._token, self._on_device(point),
+                                              *program.extra)
             values = _unpack(packed, program.plan)
-            if program.calls and float(self._token) - float(start) != program.calls:
-                raise DistopError(
-                    f"rank {self.comm.Get_rank()}: the program made "
-                    f"{float(self._token) - float(start)} host calls instead of "
-                    f"{program.calls}; please report this as a bug of distop, with your "
-                    "jax version. Problem(..., backend='io_callback') avoids the lean path.")
+            if program.calls:
+                calls, self._calls = self._calls, float(self._token)
+                if self._calls - calls != program.calls:
+                    raise DistopError(
+                        f"rank {self.comm.Get_rank()}: the program made "
+                        f"{self._calls - calls} host calls instead of {program.calls}; "
+                        "please report this as a bug of distop, with your jax version. "
+                        "Problem(..., backend='io_callback') avoids the lean path.")
             if program.checker is not None:
                 # A rank whose program skipped a collective (rank-dependent control flow)
                 # meets the others' next collective here, and every rank raises.
@@ -586,10 +598,6 @@ class Problem:
         return result
 
     # -- names ----------------------------------------------------------------------
-    @staticmethod
-    def _differentiable(specs):
-        return tuple(k for k, s in specs.items() if np.issubdtype(s.dtype, np.inexact))
-
     def _names(self, method, arg, names, known, differentiable):
         if names is None:
             return differentiable

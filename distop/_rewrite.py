@@ -24,7 +24,8 @@ import itertools
 
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
+from jax.extend.core import (ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun,
+                             new_jaxpr_eqn)
 
 SEGMENT = 64  # host calls per segment of a long chain
 
@@ -255,7 +256,8 @@ def _segment(eqns, needed):
     outputs = [v for eqn in eqns for v in eqn.outvars if v in needed]
     token = next((eqn.invars[0] for eqn in eqns if _lean(eqn)), None)
     token_out = next((eqn.outvars[0] for eqn in reversed(eqns) if _lean(eqn)), None)
-    branch = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, eqns), []))
+    info = DebugInfo("distop segment", None, ("",) * len(inputs), ("",) * len(outputs))
+    branch = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, eqns, debug_info=info), []))
     return inputs, outputs, branch, token, token_out
 
 

@@ -137,9 +137,9 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
     layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), method, form,
                                      step))
     of = problem._names("check_totals", "of", of, problem.output_names,
-                        problem._differentiable(layout.outputs))
+                        layout.differentiable["outputs"])
     wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,
-                         problem._differentiable(layout.inputs))
+                         layout.differentiable["inputs"])
     say = (lambda text: print(text, file=out_stream, flush=True)) if (
         out_stream is not None and rank == 0) else (lambda text: None)
     check_replicated(problem, {**point, **problem.run()}, "check_totals")

@@ -1,5 +1,6 @@
 """Problem in a single process: run, compute_totals in every mode, names, recompiling."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,4 +78,89 @@ def test_user_error_in_problem_is_raised_as_itself():
     problem = distop.Problem(lambda x: {"f": Boom()(x)}, {"x": np.ones(2)})
     with pytest.raises(distop.OperatorError, match=r"Boom.forward on rank 0: raised "
                                                    r"ValueError: bad block"):
+        problem.run()
+
+
+# -- the lean path's rewrites (ordered=True: the lean path in one process too) ----------
+def _chain_model(ops, between):
+    def model(x):
+        for op in ops:
+            x = between(op(x))
+        return {"f": jnp.sum(x * x)}
+    return model
+
+
+def _programs(problem):
+    return {name: p for (name, *_), p in problem._programs.items()}
+
+
+def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
+    ops = [dm.DistributedMatvec(dm.setup(6, 1)[0] * 0.3, ordered=True) for _ in range(5)]
+    x0 = np.linspace(-1.0, 1.0, 6)
+    fused = distop.Problem(_chain_model(ops, lambda y: y), {"x": x0})
+    plain = distop.Problem(_chain_model(ops, lambda y: y), {"x": x0}, fuse=False)
+    assert [e.phase for e in fused.schedule] == ["forward"] * 5 + ["vjp"] * 5
+    # the forward chain in one call; the reverse chain (its seed reads the last
+    # forward result through x * x) in a second one
+    assert [e.group for e in fused.schedule] == [0] * 5 + [1] * 5
+    assert all(e.lean for e in fused.schedule)
+    assert [e.group for e in plain.schedule] == list(range(10))
+    assert fused.run()["f"] == plain.run()["f"]
+    assert _programs(fused)["compute_totals"].calls == 2 and _programs(fused)["run"].calls == 1
+    np.testing.assert_array_equal(fused.compute_totals()["f", "x"],
+                                  plain.compute_totals()["f", "x"])
+    a = ops[0].A.toarray()
+    m = np.linalg.matrix_power(a, 5)
+    np.testing.assert_allclose(fused.compute_totals()["f", "x"][0], 2 * m.T @ (m @ x0),
+                               rtol=1e-12)
+
+
+def test_a_long_chain_runs_in_segments_exactly_once_per_call():
+    from distop import _rewrite
+
+    log = []
+
+    class Logged(distop.DistributedOperator):
+        index: int
+        forward_collectives = ("Allreduce",)
+
+        def forward(self, comm, x):
+            log.append(self.index)
+            return 0.5 * x
+
+        def vjp(self, comm, y_bar, x):
+            return 0.5 * y_bar
+
+    n = 2 * _rewrite.SEGMENT + 5
+    ops = [Logged(i, ordered=True) for i in range(n)]
+    problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": np.array([0.3, -0.2])})
+    log.clear()
+    f = problem.run()["f"]
+    assert log == list(range(n))  # every call once, in order, through the segments
+    programs = _programs(problem)
+    assert programs["run"].calls == n and programs["compute_totals"].calls == 2 * n
+    spec = {"x": jax.ShapeDtypeStruct((2,), np.float64)}
+    jaxpr = programs["run"].fn.trace(jax.ShapeDtypeStruct((), np.float64), spec).jaxpr
+    assert sum(e.primitive.name == "cond" for e in jaxpr.eqns) == 3
+    x = np.array([0.3, -0.2])
+    for _ in range(n):
+        x = np.sin(0.5 * x)
+    np.testing.assert_allclose(f, np.sum(x * x), rtol=1e-12)
+    J = problem.compute_totals()["f", "x"]
+    reference = jax.grad(lambda x: jnp.sum(_chain_reference(x, n) ** 2))(jnp.array([0.3, -0.2]))
+    np.testing.assert_allclose(J[0], reference, rtol=1e-12)
+
+
+def _chain_reference(x, n):
+    for _ in range(n):
+        x = jnp.sin(0.5 * x)
+    return x
+
+
+def test_a_program_that_skips_a_host_call_raises():
+    op = dm.DistributedMatvec(dm.setup(4, 1)[0], ordered=True)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": np.ones(4)})
+    problem.run()
+    _programs(problem)["run"].calls += 1  # what a dropped call would look like
+    with pytest.raises(distop.DistopError, match="made 1.0 host calls instead of 2"):
         problem.run()

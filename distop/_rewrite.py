@@ -24,8 +24,7 @@ import itertools
 
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import (ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun,
-                             new_jaxpr_eqn)
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
 
 SEGMENT = 64  # host calls per segment of a long chain
 

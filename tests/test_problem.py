@@ -1,13 +1,13 @@
 """Problem in a single process: run, compute_totals in every mode, names, recompiling."""
 
+import distributed_matvec as dm
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Cube
 
 import distop
-import distributed_matvec as dm
-from helpers import Cube
 
 
 @pytest.fixture(scope="module")

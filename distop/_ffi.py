@@ -91,7 +91,7 @@ class _Api(C.Structure):
 
 
 _DATA = _Buffer.data.offset
-_plans = {}  # call_id -> the (dtype, shape, nbytes) of its arguments and results
+_plans = {}  # call_id -> (dtype, shape, ctypes buffer type) of its arguments, results
 
 
 def _plan(addresses):
@@ -100,7 +100,8 @@ def _plan(addresses):
         b = _Buffer.from_address(address)
         shape = tuple(b.dims[i] for i in range(b.rank))
         dtype = np.dtype(_DTYPES[b.dtype])
-        plan.append((dtype, shape, int(np.prod(shape)) * dtype.itemsize))
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        plan.append((dtype, shape, C.c_char * nbytes if nbytes else None))
     return plan
 
 
@@ -108,12 +109,12 @@ def _arrays(values, plan):
     """numpy views of XLA's buffers (valid only during the call); shapes and dtypes are
     fixed per call site, so only the data pointers are read each time."""
     out = []
-    for i, (dtype, shape, nbytes) in enumerate(plan):
-        if nbytes == 0:
+    for i, (dtype, shape, raw) in enumerate(plan):
+        if raw is None:
             out.append(np.zeros(shape, dtype))
             continue
         data = C.c_void_p.from_address(values[i] + _DATA).value
-        out.append(np.frombuffer((C.c_char * nbytes).from_address(data), dtype).reshape(shape))
+        out.append(np.frombuffer(raw.from_address(data), dtype).reshape(shape))
     return out
 
 

@@ -577,7 +577,7 @@ class Problem:
         cache = self._device
         for k, v in point.items():
             if cache.get(k, (None,))[0] is not v:
-                cache[k] = (v, jax.device_put(v))
+                cache[k] = (v, _device(v))
         return {k: cache[k][1] for k in point}
 
     def _agree(self, what, thunk):
@@ -621,9 +621,14 @@ class _Inputs:
 
 
 def _as_input(where, value):
+    if isinstance(value, jax.Array) and value.is_fully_addressable:
+        # immutable already: a read-only view of its memory, no copy (see `_device`)
+        host = _host(value)
+        if host.flags.c_contiguous and host.dtype.kind in "biufc":
+            return host
     try:
-        array = np.array(value)
-    except Exception as err:  # noqa: BLE001
+        array = np.asarray(value)
+    except Exception as err:
         raise TypeError(f"{where}: could not make an array of a {type(value).__name__}.") from err
     if array.dtype == object or array.dtype.kind not in "biufc":
         raise TypeError(f"{where}: got a {type(value).__name__} ({array.dtype}); expected a "
@@ -632,7 +637,35 @@ def _as_input(where, value):
         raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode and would "
                         "silently round it. Call jax.config.update('jax_enable_x64', True) "
                         "first, or pass float32.")
-    return array
+    return _aligned_copy(array)
+
+
+def _aligned_copy(array, align=64):
+    """distop's own C-contiguous copy of an input (so that changing the caller's array
+    later changes nothing here), at an address XLA can read in place: `_device` then
+    hands it to the programs without a second copy."""
+    raw = np.empty(array.nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def _device(array):
+    """A JAX array of `array`, sharing its memory where XLA can (aligned, see
+    `_aligned_copy`), else a copy."""
+    try:
+        return jax.dlpack.from_dlpack(array)
+    except Exception:  # noqa: BLE001 - a dtype DLPack does not carry: copy instead
+        return jax.device_put(array)
+
+
+def _host(array):
+    """A read-only numpy view of a program result, sharing its memory (no copy)."""
+    try:
+        return np.from_dlpack(array)
+    except Exception:  # noqa: BLE001 - a dtype DLPack does not carry: copy instead
+        return np.asarray(array)
 
 
 def _pack(values):
@@ -645,13 +678,13 @@ def _pack(values):
 
 
 def _unpack(arrays, plan):
-    """The inverse of `_pack`, as numpy views of the program's results.
+    """The inverse of `_pack`, as read-only numpy views of the program's results.
 
     **Arguments:**
     - `arrays`: the packed results.
     - `plan`: from `_unpack_plan`.
     """
-    groups = [np.asarray(a) for a in arrays]
+    groups = [_host(a) for a in arrays]
     return {k: groups[g][start:stop].reshape(shape) for k, g, start, stop, shape in plan}
 
 

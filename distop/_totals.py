@@ -49,14 +49,16 @@ def assemble(problem, layout, cts, of, wrt, return_format):
     offsets = np.cumsum([0] + sizes)
     totals = {}
     for w in wrt:
-        block = np.asarray(cts[w]).reshape(offsets[-1], -1)
+        block = cts[w].reshape(offsets[-1], -1)
         if w in layout.counts and return_format == "global":
             block = gather_columns(comm, block, _flat_counts(layout, w))
         for o, offset, size in zip(of, offsets, sizes):
             start, stop = 0, size
             if return_format == "local" and o in layout.counts:
                 start, stop = layout.local_rows(o, rank)
-            totals[o, w] = block[offset + start:offset + stop].copy()
+            rows = block[offset + start:offset + stop]
+            # a block that is the whole result is returned as it is (no copy)
+            totals[o, w] = rows if rows.shape[0] == block.shape[0] else rows.copy()
     return totals
 
 

@@ -183,7 +183,10 @@ class Problem:
           distributed inputs).
 
         **Returns:** dict of output name -> numpy array (this rank's block for
-        distributed outputs). The evaluated point becomes the current point.
+        distributed outputs): read-only views of the program's results, like JAX's
+        own arrays (`.copy()` one to change it). The evaluated point becomes the
+        current point; distop keeps its own copy of numpy inputs (JAX arrays, being
+        immutable, are shared).
         """
         point = dict(self._point)
         for name, value in inputs.items():
@@ -212,7 +215,8 @@ class Problem:
           rows of replicated `of`; this rank's columns of distributed `wrt`).
 
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
-        identical on every rank for the global format.
+        identical on every rank for the global format (read-only where it is the
+        program's result as it is, as `run`'s values).
         """
         layout = self._layout(self._point, ("compute_totals", repr(of), repr(wrt), mode,
                                             return_format))

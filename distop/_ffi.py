@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 TARGET = "distop_host_call"
-_calls = {}  # call_id -> HostCall (or FusedCall) of every lowered lean call site
+_calls = {}  # call_id -> HostCall (or FusedCall) of every live lowered lean call site
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _registered = False
@@ -174,6 +174,14 @@ def register(call):
         call_id = next(_ids)
         _calls[call_id] = call
     return call_id
+
+
+def release(calls):
+    """Forget the call sites of a program that is gone."""
+    with _lock:
+        for call in calls:
+            _calls.pop(call.ffi_id, None)
+            _plans.pop(call.ffi_id, None)
 
 
 # -- the token, threaded through the calls while a program is traced ----------------------

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -487,6 +488,10 @@ class Problem:
                        and self.comm.Get_size() > 1 else None)
             found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
                                                   _rewrite.host_calls(jaxpr.jaxpr))
+            # the lean call sites live as long as the program
+            weakref.finalize(found, _ffi.release, [
+                eqn.params["call"] for eqn in jaxpr.jaxpr.eqns
+                if getattr(eqn.params.get("call"), "lean", False)])
         return found
 
     def _trace(self, name, options, layout, specs, vectorize):

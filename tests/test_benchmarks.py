@@ -1,0 +1,27 @@
+"""The benchmark suite runs end to end (a small part of it, to keep it from rotting)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.mpi
+
+
+def test_suite_runs_and_writes_its_tables_and_json(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--quick", "--ranks", "2",
+         "--large-ranks", "2", "--sections", "overhead", "large", "--large-size", "2000",
+         "--json", str(out)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "distop's own work per call" in proc.stdout, proc.stdout
+    assert "large sparse matvec" in proc.stdout, proc.stdout
+    results = json.loads(out.read_text())
+    assert not results["failures"]
+    large = results["results"]["large"]["2"]["rows"][0]
+    assert large["error"] < 1e-12 and set(large["median"]) == {"hand", "lean"}

@@ -164,6 +164,41 @@ def fusion_runs_independent_neighbours_in_one_call_in_the_same_order():
 
 
 @case("core")
+def a_long_chain_runs_in_segments_with_every_collective_once_in_order():
+    from distop import _rewrite
+
+    log, active = [], [0]
+    n = _rewrite.SEGMENT + 6
+    ops = [Logged(i, log, active) for i in range(n)]
+
+    def model(x):
+        for op in ops:
+            x = jnp.sin(op(x))  # an XLA operation between the calls: nothing fuses
+        return {"f": jnp.sum(x)}
+
+    problem = distop.Problem(model, {"x": np.array([0.2, -0.4])}, backend="lean")
+    assert all(e.lean for e in problem.schedule)
+    assert len({e.group for e in problem.schedule}) == 2 * n
+    log.clear()
+    f = problem.run()["f"]
+    assert log == [("forward", i, 1) for i in range(n)], log
+    log.clear()
+    J = problem.compute_totals()["f", "x"]
+    assert log == ([("forward", i, 1) for i in range(n)]
+                   + [("vjp", i, 1) for i in reversed(range(n))]), log
+    x = jnp.array([0.2, -0.4])
+    reference = jax.value_and_grad(lambda x: jnp.sum(_sin_chain(x, n)))(x)
+    all_close_everywhere(comm, f, reference[0])
+    all_close_everywhere(comm, J[0], reference[1])
+
+
+def _sin_chain(x, n):
+    for _ in range(n):
+        x = jnp.sin(x)  # Logged's forward adds Allreduce(1) - size = 0
+    return x
+
+
+@case("core")
 def programs_the_lean_path_cannot_prove_fall_back_to_io_callback():
     log, active = [], [0]
     op = Logged(0, log, active)

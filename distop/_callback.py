@@ -36,10 +36,12 @@ def take_error():
 
 @functools.cache
 def _method_info(cls, phase):
-    """**Returns:** (whether `cls.<phase>` is batched, whether it takes `batched=`);
-    computed once per class, as tracing meets every call site."""
+    """**Returns:** (whether `cls.<phase>` is batched, whether it takes `batched=`,
+    whether it takes `out=`); computed once per class, as tracing meets every call
+    site."""
     batched = bool(getattr(cls, "batched_" + phase, False))
-    return batched, batched and "batched" in inspect.signature(getattr(cls, phase)).parameters
+    parameters = inspect.signature(getattr(cls, phase)).parameters
+    return batched, batched and "batched" in parameters, "out" in parameters
 
 
 class HostCall:
@@ -87,7 +89,7 @@ class HostCall:
                        else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
         cls = type(op)
         self.function = getattr(cls, phase)  # class-level: no per-call bound method
-        self.batched, takes_flag = _method_info(cls, phase)
+        self.batched, takes_flag, self.takes_out = _method_info(cls, phase)
         # A batched method may take a keyword `batched` to learn whether this call
         # carries the leading batch axis (it does only when distop batches).
         self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
@@ -140,16 +142,26 @@ class HostCall:
                         (size,) + self.batch_shape, lean=self.lean)
 
     # -- what XLA calls -------------------------------------------------------------
-    def __call__(self, *args):
+    def __call__(self, *args, out=None):
+        """Run the user method on XLA's arguments.
+
+        **Arguments:**
+        - `args`: the arguments (see the class docstring).
+        - `out`: the buffers the results go to (the lean path: XLA's own, valid during
+          the call), offered to a method that takes `out=`; None if there are none.
+
+        **Returns:** the checked results (possibly `out`'s arrays themselves).
+        """
         with _safety.watchdog.watch(self.where):
             try:
                 comm = self.comm
                 if self.checker is not None:
                     comm = _safety.CheckedComm(self.comm, self.checker, self.where)
+                offer = out is not None and self.takes_out
                 if not self.batch_shape:
-                    results = self._check(self._invoke(args, comm), ())
+                    results = self._check(self._invoke(args, comm, offer and out), ())
                 elif self.batched:
-                    results = self._call_batched(args, comm)
+                    results = self._call_batched(args, comm, offer and out)
                 else:
                     results = self._call_rows(args, comm)
                 if self.checker is not None:
@@ -169,15 +181,29 @@ class HostCall:
                 f"{self.declared}; declare every collective the method issues"))
 
     # -- helpers --------------------------------------------------------------------
-    def _invoke(self, args, comm):
+    def _invoke(self, args, comm, out=None):
+        """Call the user method; `out`: result buffers to offer (`out=`), if any: one
+        array, or a tuple in the order the method returns its results (None for
+        results of integer dtype)."""
         args = [np.asarray(a, order="C") for a in args]
+        kwargs = self.kwargs
+        if self.takes_out:
+            kwargs = {**kwargs, "out": self._user_out(out) if out else None}
         if self.phase == "forward":
-            return self.function(self.op, comm, *args, **self.kwargs)
+            return self.function(self.op, comm, *args, **kwargs)
         linear = [None] * self.n_slots
         for slot, a in zip(self.slots, args):
             linear[slot] = a
         linear = tuple(linear) if self.n_slots > 1 else linear[0]
-        return self.function(self.op, comm, linear, *args[self.n_linear:], **self.kwargs)
+        return self.function(self.op, comm, linear, *args[self.n_linear:], **kwargs)
+
+    def _user_out(self, out):
+        picks = self.result_picks if self.result_picks is not None else range(
+            self.n_user_results)
+        every = [None] * self.n_user_results
+        for k, buffer in zip(picks, out):
+            every[k] = buffer
+        return every[0] if self.n_user_results == 1 else tuple(every)
 
     def _call_rows(self, args, comm):
         outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]
@@ -188,7 +214,7 @@ class HostCall:
                 out[idx] = r
         return tuple(outs)
 
-    def _call_batched(self, args, comm):
+    def _call_batched(self, args, comm, out=None):
         n = int(np.prod(self.batch_shape))
         full = []
         for a, lv, spec in zip(args, self.levels, self.arg_specs):
@@ -198,7 +224,9 @@ class HostCall:
                               + spec.shape)
                 a = np.broadcast_to(a, self.batch_shape + spec.shape)
             full.append(a.reshape((n,) + spec.shape))
-        results = self._check(self._invoke(full, comm), (n,))
+        if out:
+            out = [o.reshape((n,) + s.shape) for o, s in zip(out, self.result_specs)]
+        results = self._check(self._invoke(full, comm, out), (n,))
         return tuple(r.reshape(self.batch_shape + s.shape)
                      for r, s in zip(results, self.result_specs))
 

@@ -141,10 +141,11 @@ def _handler(frame_pointer):
                 _plan([ret_values[i] for i in range(frame.rets.size)]))
         args = _arrays(arg_values, plans[0])
         rets = _arrays(ret_values, plans[1])
-        results = call(*args[1:])
+        results = call(*args[1:], out=rets[1:])
         rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):
-            out[...] = result
+            if result.ctypes.data != out.ctypes.data:  # not written in place by the method
+                out[...] = result
         return None
     except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
         api = C.cast(frame.api, C.POINTER(_Api)).contents

@@ -41,6 +41,11 @@ class DistributedOperator(eqx.Module):
       collective. Otherwise distop calls it once per batch row, in a fixed order, in one
       callback. A batched method may take a keyword `batched` telling whether the axis
       is there (it is only when distop batches).
+    - A method may take a keyword `out`: on the lean path distop passes the buffers its
+      results go to (XLA's own, valid during the call; one array, or a tuple in the
+      order of the results, None for results of integer dtype), else None. Writing the
+      results into them and returning them saves a copy of each; returning other
+      arrays is fine too.
     - `ordered`: None (default) orders the callbacks whenever the operator declares
       collectives and its communicator has more than one rank; True/False force it.
       Also settable per instance: `MyOp(A, ordered=False)`.

@@ -54,11 +54,17 @@ class FusedCall:
         every = [s for m in self.members for s in m.shapes()]
         return tuple(every[k] for k in self.returned)
 
-    def __call__(self, *args):
-        results = []
+    def __call__(self, *args, out=None):
+        """Run the members in order; `out`: XLA's buffers of the returned results, each
+        offered to the member that computes it when all of its results are returned."""
+        results, start, where = [], 0, {k: i for i, k in enumerate(self.returned)}
         for member, wiring in zip(self.members, self.wiring):
+            mine = range(start, start + len(member.result_specs))
+            offer = (None if out is None or any(k not in where for k in mine)
+                     else [out[where[k]] for k in mine])
             results.extend(member(*[results[k] if inner else args[k]
-                                    for inner, k in wiring]))
+                                    for inner, k in wiring], out=offer))
+            start = mine.stop
         return [results[k] for k in self.returned]
 
 

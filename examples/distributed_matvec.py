@@ -36,22 +36,24 @@ class DistributedMatvec(distop.DistributedOperator):
     batched_vjp = True
     batched_jvp = True
 
-    def forward(self, comm, x):
-        y = np.empty(self.A.shape[0])
+    # `out`, where distop offers it, is the buffer the result goes to: reducing straight
+    # into it saves a copy of the result (it is None where there is none to offer).
+    def forward(self, comm, x, out=None):
+        y = np.empty(self.A.shape[0]) if out is None else out
         comm.Allreduce(self.A @ x, y, op=MPI.SUM)
         return y
 
-    def jvp(self, comm, x_dot, x):
+    def jvp(self, comm, x_dot, x, out=None):
         # x_dot is (M,) or, when distop batches, (B, M): one Allreduce either way.
         local = np.ascontiguousarray((self.A @ x_dot.T).T)
-        y_dot = np.empty_like(local)
+        y_dot = np.empty_like(local) if out is None else out
         comm.Allreduce(local, y_dot, op=MPI.SUM)
         return y_dot
 
-    def vjp(self, comm, y_bar, x):
+    def vjp(self, comm, y_bar, x, out=None):
         # y_bar is (M,) or, when distop batches, (B, M): one Allreduce either way.
         local = np.ascontiguousarray((self.A.T @ y_bar.T).T)
-        x_bar = np.empty_like(local)
+        x_bar = np.empty_like(local) if out is None else out
         comm.Allreduce(local, x_bar, op=MPI.SUM)
         return x_bar
 

@@ -190,8 +190,9 @@ def test_methods_that_take_out_write_straight_into_the_result_buffers():
     for ordered, fuse, offered in ((True, True, True), (True, False, True),
                                    (False, True, False)):
         a, b = Double(ordered=ordered), Double(ordered=ordered)
-        problem = distop.Problem(lambda x: {"f": jnp.sum(a(x) ** 2) + jnp.sum(b(x))},
-                                 {"x": x0}, fuse=fuse)
+        problem = distop.Problem(
+            lambda x, a=a, b=b: {"f": jnp.sum(a(x) ** 2) + jnp.sum(b(x))}, {"x": x0},
+            fuse=fuse)
         seen.clear()
         np.testing.assert_allclose(problem.run()["f"], 4 * np.sum(x0 ** 2) + 2 * np.sum(x0))
         np.testing.assert_allclose(problem.compute_totals()["f", "x"][0], 8 * x0 + 2)

@@ -158,8 +158,11 @@ class HostCall:
                 if self.checker is not None:
                     comm = _safety.CheckedComm(self.comm, self.checker, self.where)
                 offer = out is not None and self.takes_out
+                rows = self._nonzero_rows(args) if self.batch_shape else None
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, offer and out), ())
+                elif rows is not None:
+                    results = self._call_some_rows(args, rows, comm, out)
                 elif self.batched:
                     results = self._call_batched(args, comm, offer and out)
                 else:
@@ -205,29 +208,71 @@ class HostCall:
             every[k] = buffer
         return every[0] if self.n_user_results == 1 else tuple(every)
 
-    def _call_rows(self, args, comm):
-        outs = [np.empty(self.batch_shape + s.shape, s.dtype) for s in self.result_specs]
-        for idx in np.ndindex(*self.batch_shape):
+    def _nonzero_rows(self, args):
+        """The rows of a batch of (co)tangents that are not all zero: a `jvp`/`vjp` is
+        linear in them, so the other rows' results are zeros and the method need not
+        see them (with K seeds, an operator that only some outputs depend on gets only
+        their rows). Only where no rank needs to agree on the rows: in a single process,
+        or for an operator that declares no collectives. (Under MPI, agreeing costs a
+        collective per call, measured to cost more than it saves on the matvec.)
+
+        **Returns:** the row indices, or None to pass every row.
+        """
+        if (self.phase == "forward" or len(self.batch_shape) != 1 or not self.n_linear
+                or self.batch_shape[0] < 2
+                or not all(lv[0] for lv in self.levels[:self.n_linear])):
+            return None
+        if self.comm is not None and self.comm.Get_size() > 1 and self.declared:
+            return None
+        n = self.batch_shape[0]
+        mask = np.zeros(n, bool)
+        for a in args[:self.n_linear]:
+            mask |= np.asarray(a).reshape(n, -1).any(axis=1)
+        return None if mask.all() else np.flatnonzero(mask)
+
+    def _call_some_rows(self, args, rows, comm, out):
+        """The method on the batch rows `rows` only; zeros in the other rows. Writes
+        into `out` (XLA's buffers) when given."""
+        part = [a[rows] if lv[0] else a for a, lv in zip(args, self.levels)]
+        shape = (len(rows),)
+        if not len(rows):
+            found = [np.zeros(shape + s.shape, s.dtype) for s in self.result_specs]
+        elif self.batched:
+            found = self._call_batched(part, comm, batch_shape=shape)
+        else:
+            found = self._call_rows(part, comm, shape)
+        results = out if out is not None else [np.empty(self.batch_shape + s.shape, s.dtype)
+                                               for s in self.result_specs]
+        for full, some in zip(results, found):
+            full[...] = 0
+            full[rows] = some
+        return tuple(results)
+
+    def _call_rows(self, args, comm, batch_shape=None):
+        batch_shape = self.batch_shape if batch_shape is None else batch_shape
+        outs = [np.empty(batch_shape + s.shape, s.dtype) for s in self.result_specs]
+        for idx in np.ndindex(*batch_shape):
             row = [a[tuple(i for i, on in zip(idx, lv) if on)]
                    for a, lv in zip(args, self.levels)]
             for out, r in zip(outs, self._check(self._invoke(row, comm), (), idx)):
                 out[idx] = r
         return tuple(outs)
 
-    def _call_batched(self, args, comm, out=None):
-        n = int(np.prod(self.batch_shape))
+    def _call_batched(self, args, comm, out=None, batch_shape=None):
+        batch_shape = self.batch_shape if batch_shape is None else batch_shape
+        n = int(np.prod(batch_shape))
         full = []
         for a, lv, spec in zip(args, self.levels, self.arg_specs):
             a = np.asarray(a)
             if not all(lv):
-                a = a.reshape(tuple(b if on else 1 for b, on in zip(self.batch_shape, lv))
+                a = a.reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))
                               + spec.shape)
-                a = np.broadcast_to(a, self.batch_shape + spec.shape)
+                a = np.broadcast_to(a, batch_shape + spec.shape)
             full.append(a.reshape((n,) + spec.shape))
         if out:
             out = [o.reshape((n,) + s.shape) for o, s in zip(out, self.result_specs)]
         results = self._check(self._invoke(full, comm, out), (n,))
-        return tuple(r.reshape(self.batch_shape + s.shape)
+        return tuple(r.reshape(batch_shape + s.shape)
                      for r, s in zip(results, self.result_specs))
 
     def _check(self, result, batch, row=None):

@@ -203,3 +203,29 @@ def test_methods_that_take_out_write_straight_into_the_result_buffers():
             assert sorted(seen, key=str) == sorted(expected, key=str), (fuse, seen)
         else:
             assert seen and all(o in (False, None) for _, o in seen), seen
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_vjp_sees_only_the_seed_rows_that_reach_it(batched):
+    rows_seen = []
+
+    class Scale(distop.DistributedOperator):
+        c: float
+        forward_collectives = vjp_collectives = ("Allreduce",)
+        batched_vjp = batched
+
+        def forward(self, comm, x):
+            return self.c * x
+
+        def vjp(self, comm, y_bar, x):
+            rows_seen.append((self.c, y_bar.shape[0] if batched else 1))
+            return self.c * y_bar
+
+    ops = [Scale(float(c), ordered=True) for c in (2, 3, 5)]
+    problem = distop.Problem(
+        lambda x: {f"f{i}": jnp.sum(op(x)) for i, op in enumerate(ops)}, {"x": np.ones(4)})
+    J = problem.compute_totals()  # 3 seeds; each operator's cotangent is zero in 2 rows
+    for i, c in enumerate((2, 3, 5)):
+        np.testing.assert_array_equal(J[f"f{i}", "x"], np.full((1, 4), float(c)))
+    # each VJP ran on its one nonzero row: once, with a batch of one row
+    assert sorted(rows_seen) == [(2.0, 1), (3.0, 1), (5.0, 1)], rows_seen

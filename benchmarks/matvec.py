@@ -39,6 +39,17 @@ jax.config.update("jax_enable_x64", True)
 comm = MPI.COMM_WORLD
 
 
+_transposes = {}  # id(a_local) -> (a_local, its transpose): made once, as a script would
+
+
+def transpose(a_local):
+    """**Returns:** `a_local.T` as CSR, made on first use."""
+    found = _transposes.get(id(a_local))
+    if found is None or found[0] is not a_local:
+        found = _transposes[id(a_local)] = (a_local, a_local.T.tocsr())
+    return found[1]
+
+
 def hand_written(a_local, w, x, batched=True, gradients=True):
     """Values and (optionally) gradients with numpy + mpi4py only."""
     y = np.empty(a_local.shape[0])
@@ -47,13 +58,14 @@ def hand_written(a_local, w, x, batched=True, gradients=True):
     if not gradients:
         return f
     if batched:
-        local = np.ascontiguousarray((a_local.T @ w.T).T)
+        local = np.ascontiguousarray((transpose(a_local) @ w.T).T)
         grads = np.empty_like(local)
         comm.Allreduce(local, grads, op=MPI.SUM)
     else:
         grads = np.empty_like(w)
         for k in range(w.shape[0]):
-            comm.Allreduce(np.ascontiguousarray(a_local.T @ w[k]), grads[k], op=MPI.SUM)
+            comm.Allreduce(np.ascontiguousarray(transpose(a_local) @ w[k]), grads[k],
+                           op=MPI.SUM)
     return f, grads
 
 
@@ -67,7 +79,7 @@ def floor_programs(a_local, w, size):
         return y
 
     def backward(y_bar):
-        local = np.ascontiguousarray((a_local.T @ y_bar.T).T)
+        local = np.ascontiguousarray((transpose(a_local) @ y_bar.T).T)
         x_bar = np.empty_like(local)
         comm.Allreduce(local, x_bar, op=MPI.SUM)
         return x_bar

@@ -26,6 +26,11 @@ def _inexact(spec):
     return np.issubdtype(spec.dtype, np.inexact)
 
 
+def rows_of(mask):
+    """**Returns:** the indices of the true entries of `mask`, or None if all are."""
+    return None if mask.all() else np.flatnonzero(mask)
+
+
 def take_error():
     """**Returns:** the exception raised by the last failing callback (once), or None."""
     global _last_error
@@ -142,13 +147,15 @@ class HostCall:
                         (size,) + self.batch_shape, lean=self.lean)
 
     # -- what XLA calls -------------------------------------------------------------
-    def __call__(self, *args, out=None):
+    def __call__(self, *args, out=None, rows=False):
         """Run the user method on XLA's arguments.
 
         **Arguments:**
         - `args`: the arguments (see the class docstring).
         - `out`: the buffers the results go to (the lean path: XLA's own, valid during
           the call), offered to a method that takes `out=`; None if there are none.
+        - `rows`: the batch rows to pass, as agreed by a fused call (None: every row);
+          by default this call decides (`_nonzero_rows`).
 
         **Returns:** the checked results (possibly `out`'s arrays themselves).
         """
@@ -158,7 +165,8 @@ class HostCall:
                 if self.checker is not None:
                     comm = _safety.CheckedComm(self.comm, self.checker, self.where)
                 offer = out is not None and self.takes_out
-                rows = self._nonzero_rows(args) if self.batch_shape else None
+                if rows is False:
+                    rows = self._nonzero_rows(args) if self.batch_shape else None
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, offer and out), ())
                 elif rows is not None:
@@ -208,27 +216,38 @@ class HostCall:
             every[k] = buffer
         return every[0] if self.n_user_results == 1 else tuple(every)
 
-    def _nonzero_rows(self, args):
-        """The rows of a batch of (co)tangents that are not all zero: a `jvp`/`vjp` is
-        linear in them, so the other rows' results are zeros and the method need not
-        see them (with K seeds, an operator that only some outputs depend on gets only
-        their rows). Only where no rank needs to agree on the rows: in a single process,
-        or for an operator that declares no collectives. (Under MPI, agreeing costs a
-        collective per call, measured to cost more than it saves on the matvec.)
+    @property
+    def skippable(self):
+        """Whether zero rows of this call's (co)tangents may be skipped: a `jvp`/`vjp`
+        (linear in them: zero rows give zero results) over one batch level of at least
+        two rows that every (co)tangent carries."""
+        return (self.phase != "forward" and len(self.batch_shape) == 1 and self.n_linear > 0
+                and self.batch_shape[0] > 1
+                and all(lv[0] for lv in self.levels[:self.n_linear]))
 
-        **Returns:** the row indices, or None to pass every row.
-        """
-        if (self.phase == "forward" or len(self.batch_shape) != 1 or not self.n_linear
-                or self.batch_shape[0] < 2
-                or not all(lv[0] for lv in self.levels[:self.n_linear])):
-            return None
-        if self.comm is not None and self.comm.Get_size() > 1 and self.declared:
-            return None
+    def row_mask(self, args):
+        """**Returns:** per batch row, whether some (co)tangent in `args` is nonzero
+        there, on this rank."""
         n = self.batch_shape[0]
         mask = np.zeros(n, bool)
         for a in args[:self.n_linear]:
             mask |= np.asarray(a).reshape(n, -1).any(axis=1)
-        return None if mask.all() else np.flatnonzero(mask)
+        return mask
+
+    def _nonzero_rows(self, args):
+        """The rows of a batch of (co)tangents that are not all zero, so that the method
+        sees only those (with K seeds, an operator that only some outputs depend on
+        gets only their rows). Decided here only where no rank needs to agree on the
+        rows: in a single process, or for an operator that declares no collectives.
+        Under MPI a fused call agrees on the rows of several calls with one collective
+        (`FusedCall`); one collective per call costs more than it saves.
+
+        **Returns:** the row indices, or None to pass every row.
+        """
+        if not self.skippable or (self.comm is not None and self.comm.Get_size() > 1
+                                  and self.declared):
+            return None
+        return rows_of(self.row_mask(args))
 
     def _call_some_rows(self, args, rows, comm, out):
         """The method on the batch rows `rows` only; zeros in the other rows. Writes

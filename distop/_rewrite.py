@@ -23,8 +23,11 @@ import heapq
 import itertools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
+
+from . import _safety
 
 SEGMENT = 64  # host calls per segment of a long chain
 
@@ -57,15 +60,48 @@ class FusedCall:
     def __call__(self, *args, out=None):
         """Run the members in order; `out`: XLA's buffers of the returned results, each
         offered to the member that computes it when all of its results are returned."""
+        rows = self._agree_rows(args)
         results, start, where = [], 0, {k: i for i, k in enumerate(self.returned)}
-        for member, wiring in zip(self.members, self.wiring):
+        for i, (member, wiring) in enumerate(zip(self.members, self.wiring)):
             mine = range(start, start + len(member.result_specs))
             offer = (None if out is None or any(k not in where for k in mine)
                      else [out[where[k]] for k in mine])
             results.extend(member(*[results[k] if inner else args[k]
-                                    for inner, k in wiring], out=offer))
+                                    for inner, k in wiring], out=offer,
+                                  **({"rows": rows[i]} if i in rows else {})))
             start = mine.stop
         return [results[k] for k in self.returned]
+
+    def _agree_rows(self, args):
+        """The nonzero (co)tangent rows of every member that can skip zero rows and
+        whose (co)tangents come from outside the fused call, agreed across ranks with
+        ONE collective (the members then call their methods on the same rows
+        everywhere); only for two or more such members on one communicator.
+
+        **Returns:** member index -> rows (None: every row).
+        """
+        from ._callback import rows_of
+
+        chosen, comm = [], None
+        for i, (member, wiring) in enumerate(zip(self.members, self.wiring)):
+            if (member.skippable and not any(inner for inner, _ in wiring[:member.n_linear])
+                    and (comm is None or member.comm is comm)):
+                chosen.append(i)
+                comm = member.comm
+        if len(chosen) < 2 or comm is None or comm.Get_size() == 1:
+            return {}
+        masks = [self.members[i].row_mask(
+            [args[k] for _, k in self.wiring[i][:self.members[i].n_linear]]) for i in chosen]
+        every = np.concatenate(masks).astype(np.uint8)
+        from ._comm import mpi
+
+        with _safety.watchdog.watch("fused call: agreeing on the nonzero rows"):
+            comm.Allreduce(mpi().IN_PLACE, every, op=mpi().MAX)
+        found, start = {}, 0
+        for i, mask in zip(chosen, masks):
+            found[i] = rows_of(every[start:start + mask.size].astype(bool))
+            start += mask.size
+        return found
 
 
 def _lean(eqn):

@@ -164,6 +164,43 @@ def fusion_runs_independent_neighbours_in_one_call_in_the_same_order():
 
 
 @case("core")
+def fused_vjps_agree_on_their_nonzero_seed_rows():
+    seen = []
+
+    class Weighted(distop.DistributedOperator):
+        """y = c_r * x summed over ranks (an Allreduce in forward and vjp)."""
+
+        c: float
+        forward_collectives = vjp_collectives = ("Allreduce",)
+        batched_vjp = True
+
+        def _total(self, comm):
+            total = np.empty(1)
+            comm.Allreduce(np.array([self.c * (rank + 1)]), total, op=MPI.SUM)
+            return total[0]
+
+        def forward(self, comm, x):
+            return self._total(comm) * x
+
+        def vjp(self, comm, y_bar, x):
+            seen.append((self.c, y_bar.shape[0]))
+            return self._total(comm) * y_bar
+
+    ops = [Weighted(float(c)) for c in (1, 2, 3)]
+    # f_i reads only op i, g none of them
+    problem = distop.Problem(
+        lambda x: {**{f"f{i}": jnp.sum(op(x)) for i, op in enumerate(ops)},
+                   "g": jnp.sum(x)}, {"x": np.ones(2)}, backend="lean")
+    J = problem.compute_totals()
+    weight = size * (size + 1) / 2
+    for i, c in enumerate((1, 2, 3)):
+        all_close_everywhere(comm, J[f"f{i}", "x"], np.full((1, 2), c * weight))
+    # four seeds; each VJP gets only its own row, on every rank, so its collective meets
+    assert sorted(seen) == [(1.0, 1), (2.0, 1), (3.0, 1)], seen
+    assert comm.allgather(sorted(seen)) == [sorted(seen)] * size
+
+
+@case("core")
 def a_long_chain_runs_in_segments_with_every_collective_once_in_order():
     from distop import _rewrite
 

@@ -48,7 +48,8 @@ class DistributedOperator(eqx.Module):
       arrays is fine too.
     - `ordered`: None (default) orders the callbacks whenever the operator declares
       collectives and its communicator has more than one rank; True/False force it.
-      Also settable per instance: `MyOp(A, ordered=False)`.
+      Also settable per instance: `MyOp(A, ordered=False)`. Inside a `Problem` on the
+      lean path, every call not set to False is ordered by the token.
 
     Fields every operator has (keyword-only, optional):
     - `comm`: the MPI communicator (default `MPI.COMM_WORLD`). User code receives a
@@ -117,13 +118,9 @@ class DistributedOperator(eqx.Module):
 
     def is_ordered(self):
         """**Returns:** whether this operator's callbacks are ordered (see `ordered`)."""
-        if self.ordered is not None:
-            return bool(self.ordered)
-        for cls in type(self).__mro__:  # a subclass body's `ordered = ...` wins
-            if "ordered" in cls.__dict__ and cls.__dict__["ordered"] is not None:
-                value = cls.__dict__["ordered"]
-                if isinstance(value, bool):
-                    return value
+        explicit = _explicit_order(self)
+        if explicit is not None:
+            return explicit
         if not (self.forward_collectives or self.vjp_collectives or self.jvp_collectives):
             return False
         return _comm.private(self.comm).Get_size() > 1
@@ -170,11 +167,27 @@ def apply(op, inputs):
                             "jax.ShapeDtypeStruct(shape, dtype) per output.")
     out_specs = tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_specs)
     ordered = type(op).is_ordered(op)
-    lean = ordered and _ffi.session() is not None
-    call = HostCall(op, "forward", _comm.private(op.comm), ordered, in_specs, out_specs,
-                    lean=lean)
+    # In a Problem's program every call not declared unordered takes the lean path:
+    # ordered by the token, and fusable. (Even where nothing needs ordering, in one
+    # process or for a purely local operator: XLA would run independent unordered
+    # callbacks on several threads at once, which then wait for each other's GIL.)
+    lean = _ffi.session() is not None and _explicit_order(op) is not False
+    call = HostCall(op, "forward", _comm.private(op.comm), ordered or lean, in_specs,
+                    out_specs, lean=lean)
     outs = _bind(call, arrays)
     return tuple(outs) if several else outs[0]
+
+
+def _explicit_order(op):
+    """**Returns:** the `ordered` setting of `op` or, failing that, of its class body
+    (a subclass's wins), or None where neither sets it."""
+    if op.ordered is not None:
+        return bool(op.ordered)
+    for cls in type(op).__mro__:
+        value = cls.__dict__.get("ordered")
+        if isinstance(value, bool):
+            return value
+    return None
 
 
 def _bind(call, args):

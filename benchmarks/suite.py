@@ -29,8 +29,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    - `mpi4jax`: floor's program with `mpi4jax.allreduce` in place of the callbacks
      (the reverse written out: mpi4jax's transpose of an allreduce is rank-local); its
      columns are left out, with a note, where mpi4jax is not installed.
-   `X/Y`: ratio of medians. On 1 rank distop orders nothing (no one to disagree), so
-   `lean`, `io_cb` and `unord` run the same unordered callbacks, and nothing fuses.
+   `X/Y`: ratio of medians. On 1 rank nothing needs ordering: `io_cb` and `unord` run
+   the same unordered callbacks, while `lean` still runs its calls on the token chain
+   (fused), as a Problem does whenever an operator is not set to `ordered=False`.
    The forward table: `build(..., "forward")`, K independent operator calls on the same
    x, against one operator (K=1), fused and not; `K/1` is the cost of K calls over one.
 2. `chain`: N calls of a small operator (the matvec on 8 doubles: an Allreduce in

@@ -175,10 +175,9 @@ class Bench:
 
 
 def host_calls(problem):
-    """**Returns:** the number of host calls in `problem`'s compute_totals program: one
-    per fusion group (an entry without a group is a call of its own)."""
-    groups = [getattr(entry, "group", None) for entry in problem.schedule]
-    return len({g for g in groups if g is not None}) + groups.count(None)
+    """**Returns:** the number of host calls in `problem`'s compute_totals program (one
+    per fusion group)."""
+    return len({entry.group for entry in problem.schedule})
 
 
 class Jitted:

@@ -166,7 +166,7 @@ class HostCall:
                     comm = _safety.CheckedComm(self.comm, self.checker, self.where)
                 offer = out is not None and self.takes_out
                 if rows is False:
-                    rows = self._nonzero_rows(args) if self.batch_shape else None
+                    rows = self._nonzero_rows(args)
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, offer and out), ())
                 elif rows is not None:
@@ -216,7 +216,7 @@ class HostCall:
             every[k] = buffer
         return every[0] if self.n_user_results == 1 else tuple(every)
 
-    @property
+    @functools.cached_property
     def skippable(self):
         """Whether zero rows of this call's (co)tangents may be skipped: a `jvp`/`vjp`
         (linear in them: zero rows give zero results) over one batch level of at least
@@ -234,20 +234,23 @@ class HostCall:
             mask |= np.asarray(a).reshape(n, -1).any(axis=1)
         return mask
 
+    @functools.cached_property
+    def _skips_alone(self):
+        """Whether this call decides on its own which rows to skip: where no rank needs
+        to agree on them (a single process, or an operator that declares no
+        collectives). Under MPI a fused call agrees on the rows of several calls with
+        one collective (`FusedCall`); one collective per call costs more than it saves."""
+        several = self.comm is not None and self.comm.Get_size() > 1
+        return self.skippable and not (several and self.declared)
+
     def _nonzero_rows(self, args):
         """The rows of a batch of (co)tangents that are not all zero, so that the method
         sees only those (with K seeds, an operator that only some outputs depend on
-        gets only their rows). Decided here only where no rank needs to agree on the
-        rows: in a single process, or for an operator that declares no collectives.
-        Under MPI a fused call agrees on the rows of several calls with one collective
-        (`FusedCall`); one collective per call costs more than it saves.
+        gets only their rows).
 
         **Returns:** the row indices, or None to pass every row.
         """
-        if not self.skippable or (self.comm is not None and self.comm.Get_size() > 1
-                                  and self.declared):
-            return None
-        return rows_of(self.row_mask(args))
+        return rows_of(self.row_mask(args)) if self._skips_alone else None
 
     def _call_some_rows(self, args, rows, comm, out):
         """The method on the batch rows `rows` only; zeros in the other rows. Writes

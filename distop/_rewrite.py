@@ -28,6 +28,8 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
 
 from . import _safety
+from ._callback import rows_of
+from ._comm import mpi
 
 SEGMENT = 64  # host calls per segment of a long chain
 
@@ -48,6 +50,14 @@ class FusedCall:
     def __init__(self, members, wiring, returned):
         self.members, self.wiring, self.returned = tuple(members), wiring, returned
         self.ffi_id = None  # set when lowered (see _ffi.register)
+        # per member: where its results sit in XLA's buffers, if all of them leave
+        where, start, self._offers = {k: i for i, k in enumerate(returned)}, 0, []
+        for member in self.members:
+            mine = range(start, start + len(member.result_specs))
+            self._offers.append(None if any(k not in where for k in mine)
+                                else [where[k] for k in mine])
+            start = mine.stop
+        self._agreeing, self._comm = self._members_agreeing_on_rows()
 
     def __repr__(self):
         return f"fused[{', '.join(map(repr, self.members))}]"
@@ -60,28 +70,20 @@ class FusedCall:
     def __call__(self, *args, out=None):
         """Run the members in order; `out`: XLA's buffers of the returned results, each
         offered to the member that computes it when all of its results are returned."""
-        rows = self._agree_rows(args)
-        results, start, where = [], 0, {k: i for i, k in enumerate(self.returned)}
-        for i, (member, wiring) in enumerate(zip(self.members, self.wiring)):
-            mine = range(start, start + len(member.result_specs))
-            offer = (None if out is None or any(k not in where for k in mine)
-                     else [out[where[k]] for k in mine])
-            results.extend(member(*[results[k] if inner else args[k]
-                                    for inner, k in wiring], out=offer,
-                                  **({"rows": rows[i]} if i in rows else {})))
-            start = mine.stop
+        rows = self._agree_rows(args) if self._agreeing else {}
+        results = []
+        for i, (member, wiring, offer) in enumerate(zip(self.members, self.wiring,
+                                                        self._offers)):
+            given = None if out is None or offer is None else [out[k] for k in offer]
+            results.extend(member(*[results[k] if inner else args[k] for inner, k in wiring],
+                                  out=given, rows=rows.get(i, False)))
         return [results[k] for k in self.returned]
 
-    def _agree_rows(self, args):
-        """The nonzero (co)tangent rows of every member that can skip zero rows and
-        whose (co)tangents come from outside the fused call, agreed across ranks with
-        ONE collective (the members then call their methods on the same rows
-        everywhere); only for two or more such members on one communicator.
-
-        **Returns:** member index -> rows (None: every row).
-        """
-        from ._callback import rows_of
-
+    def _members_agreeing_on_rows(self):
+        """**Returns:** (the members that skip zero (co)tangent rows on rows agreed by
+        the fused call, their communicator): members that can skip rows, whose
+        (co)tangents come from outside the fused call, on one communicator with more
+        than one rank, if there are at least two of them (else none)."""
         chosen, comm = [], None
         for i, (member, wiring) in enumerate(zip(self.members, self.wiring)):
             if (member.skippable and not any(inner for inner, _ in wiring[:member.n_linear])
@@ -89,16 +91,24 @@ class FusedCall:
                 chosen.append(i)
                 comm = member.comm
         if len(chosen) < 2 or comm is None or comm.Get_size() == 1:
-            return {}
-        masks = [self.members[i].row_mask(
-            [args[k] for _, k in self.wiring[i][:self.members[i].n_linear]]) for i in chosen]
-        every = np.concatenate(masks).astype(np.uint8)
-        from ._comm import mpi
+            return (), None
+        return tuple(chosen), comm
 
+    def _agree_rows(self, args):
+        """The nonzero (co)tangent rows of the agreeing members, agreed across ranks
+        with ONE collective, so that they call their methods on the same rows
+        everywhere.
+
+        **Returns:** member index -> rows (None: every row).
+        """
+        masks = [self.members[i].row_mask(
+            [args[k] for _, k in self.wiring[i][:self.members[i].n_linear]])
+            for i in self._agreeing]
+        every = np.concatenate(masks).astype(np.uint8)
         with _safety.watchdog.watch("fused call: agreeing on the nonzero rows"):
-            comm.Allreduce(mpi().IN_PLACE, every, op=mpi().MAX)
+            self._comm.Allreduce(mpi().IN_PLACE, every, op=mpi().MAX)
         found, start = {}, 0
-        for i, mask in zip(chosen, masks):
+        for i, mask in zip(self._agreeing, masks):
             found[i] = rows_of(every[start:start + mask.size].astype(bool))
             start += mask.size
         return found

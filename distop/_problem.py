@@ -455,10 +455,15 @@ class Problem:
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
+            units = ()
             if name == "compute_totals":
-                def make_extra():
-                    return self._seeds(options[1], layout)
-                specs = self._seeds(options[1], layout, specs_only=True)
+                seeds = [self._seeds(options[1], layout)]
+                units = tuple(i for i, s in enumerate(seeds[0]) if _is_identity(s))
+
+                def make_extra():  # called once (Program.extra keeps its result)
+                    return seeds.pop() if seeds else self._seeds(options[1], layout)
+                specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                     seeds[0])
             else:
                 specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                      make_extra())
@@ -468,7 +473,8 @@ class Problem:
                     self._traced_run = None
                     fn, outputs, jaxpr = pending[1]
                 else:
-                    fn, outputs, jaxpr = self._trace(name, options, layout, specs, True)
+                    fn, outputs, jaxpr = self._trace(name, options, layout, specs, True,
+                                                     units)
             except NotImplementedError as err:
                 if "not supported in vmap" not in str(err):
                     raise
@@ -481,7 +487,8 @@ class Problem:
                                   "callbacks), so seeds and finite-difference perturbations "
                                   "run in a loop, one per iteration, instead of one batch.",
                                   stacklevel=3)
-                fn, outputs, jaxpr = self._trace(name, options, layout, specs, False)
+                fn, outputs, jaxpr = self._trace(name, options, layout, specs, False,
+                                                 units)
             with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
                 schedule = _schedule.agree(self.comm, name, _schedule.extract(jaxpr))
             checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
@@ -494,10 +501,11 @@ class Problem:
                 if getattr(eqn.params.get("call"), "lean", False)])
         return found
 
-    def _trace(self, name, options, layout, specs, vectorize):
+    def _trace(self, name, options, layout, specs, vectorize, units=()):
         """Trace an entry point's program, on the lean path if the backend says so and
         the program allows it (its lean calls form one token chain), else with ordered
-        `io_callback`s."""
+        `io_callback`s. `units`: the indices of the arguments after the point (`specs`)
+        that hold identity matrices (unit seeds)."""
         if self.backend == "lean":
             try:
                 found = self._trace_with(name, options, layout, specs, vectorize, True)
@@ -507,30 +515,33 @@ class Problem:
                 # comes back from the io_callback trace below.
                 found = None
             if found is not None and _ffi.chained(found[2]):
-                return self._rewritten(name, found, layout, specs)
+                return self._rewritten(name, found, layout, specs, units)
         return self._trace_with(name, options, layout, specs, vectorize, False)
 
-    def _rewritten(self, name, found, layout, specs):
-        """A traced lean program with its neighbour calls fused (if `fuse`) and a long
-        chain cut into segments (see _rewrite.py); `found` itself if neither applies.
-        One agreement step on every rank, whatever applies (so rank-dependent programs
-        reach the schedule check in step).
+    def _rewritten(self, name, found, layout, specs, units):
+        """A traced lean program with its products with unit seeds dropped, its
+        neighbour calls fused (if `fuse`) and a long chain cut into segments (see
+        _rewrite.py); `found` itself if none applies. One agreement step on every rank,
+        whatever applies (so rank-dependent programs reach the schedule check in step).
 
         **Returns:** (function, outputs, the program before segments: its schedule)."""
         return self._agree(f"{name}: rewriting the program",
-                           lambda: self._rewrite(found, layout, specs))
+                           lambda: self._rewrite(found, layout, specs, units))
 
-    def _rewrite(self, found, layout, specs):
+    def _rewrite(self, found, layout, specs, units):
         from ._operator import host_call_p
 
         closed = found[2]
+        invars = closed.jaxpr.invars[len(closed.jaxpr.invars) - len(specs):]
+        simpler = _rewrite.drop_identity_products(closed, {invars[i] for i in units})
+        closed = simpler or closed
         fused = _rewrite.fuse(closed, host_call_p) if self.fuse else None
         if fused is not None:
             if not _ffi.chained(fused):
                 raise DistopError("the fused program is not one chain")
             closed = fused
         run = _rewrite.segmented(closed)
-        if run is None and fused is None:
+        if run is None and fused is None and simpler is None:
             return found
         run = run or jaxpr_as_fun(closed)
         fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
@@ -659,6 +670,13 @@ def _aligned_copy(array, align=64):
     out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
     out[...] = array
     return out
+
+
+def _is_identity(array):
+    """Whether a 2-D array is an identity matrix."""
+    n = array.shape[0]
+    return (array.ndim == 2 and array.shape[1] == n and bool((array.diagonal() == 1).all())
+            and np.count_nonzero(array) == n)
 
 
 def _device(array):

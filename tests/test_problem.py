@@ -229,3 +229,45 @@ def test_a_vjp_sees_only_the_seed_rows_that_reach_it(batched):
         np.testing.assert_array_equal(J[f"f{i}", "x"], np.full((1, 4), float(c)))
     # each VJP ran on its one nonzero row: once, with a batch of one row
     assert sorted(rows_seen) == [(2.0, 1), (3.0, 1), (5.0, 1)], rows_seen
+
+
+def test_products_with_identity_matrices_are_dropped_exactly():
+    from jax.extend.core import jaxpr_as_fun
+
+    from distop import _rewrite
+
+    def f(unit, w, v):
+        return (unit @ w, w.T @ unit, jnp.einsum("ij,kj->ik", unit, w.T),
+                jnp.einsum("ijk,jl->ikl", v, unit), unit @ unit, w @ w.T)
+
+    unit, w = np.eye(3), np.arange(12.0).reshape(3, 4) - 5
+    v = np.arange(24.0).reshape(2, 3, 4)
+    closed = jax.make_jaxpr(f)(unit, w, v)
+    simpler = _rewrite.drop_identity_products(closed, {closed.jaxpr.invars[0]})
+    names = [e.primitive.name for e in simpler.jaxpr.eqns]
+    # the four products with one identity factor are gone (two by a transpose);
+    # unit @ unit and w @ w.T stay
+    assert names.count("dot_general") == 2 and names.count("transpose") >= 2
+    got = jaxpr_as_fun(simpler)(unit, w, v)
+    for a, b in zip(got, f(unit, w, v)):
+        np.testing.assert_array_equal(a, b)
+    assert _rewrite.drop_identity_products(closed, set()) is None
+
+
+def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
+    a_local = dm.setup(8, 1)[0]
+    op = dm.DistributedMatvec(a_local)
+    w = np.random.default_rng(1).standard_normal((5, 8))
+    x0 = np.linspace(-1.0, 1.0, 8)
+    problem = distop.Problem(lambda x, w: {"f": w @ op(x)}, {"x": x0, "w": w})
+    J = problem.compute_totals("f", "x")["f", "x"]
+    np.testing.assert_allclose(J, w @ a_local.toarray(), rtol=1e-13)
+    program = problem._programs["compute_totals", ("batched", ("f",), ("x",)),
+                                id(next(iter(problem._layouts.values())))]
+    spec = {"x": jax.ShapeDtypeStruct((8,), np.float64),
+            "w": jax.ShapeDtypeStruct((5, 8), np.float64)}
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), spec,
+                             jax.ShapeDtypeStruct((5, 5), np.float64)).jaxpr
+    products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    # only the forward value w @ y is left (unused, XLA drops it); not seeds @ w
+    assert all(e.invars[0].aval.shape == (5, 8) for e in products)

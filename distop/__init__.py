@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from . import _comm
+from . import _comm, _compat
 from ._collectives import Allgather as Allgather
 from ._collectives import AllreduceSum as AllreduceSum
 from ._collectives import Alltoall as Alltoall
@@ -25,6 +25,9 @@ from ._totals import TotalsCheck as TotalsCheck
 from ._totals import shard as shard
 
 __version__ = importlib.metadata.version("distop")
+
+# Host calls run fastest on the caller's thread (see _compat.prefer_inline_execution).
+_compat.prefer_inline_execution()
 
 # Check the launcher against the MPI library before mpi4py starts MPI (nothing above
 # starts it), then start it.

@@ -1,5 +1,7 @@
 """Shims over JAX versions: every one names what lets it go."""
 
+import os
+
 import jax
 
 # jax.errors.JaxRuntimeError is the public name of XLA's runtime error since jax 0.4.36;
@@ -18,3 +20,28 @@ def x64_enabled():
 # so that its lowering may issue ordered callbacks. No public name as of jax 0.10.2.
 from jax._src.callback import _OrderedIOEffect as ORDERED_IO_EFFECT  # noqa: E402, F401
 from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
+
+
+def prefer_inline_execution():
+    """Ask JAX's CPU client to run programs on the calling thread (turn off its async
+    dispatch), unless it has started already or `DISTOP_ASYNC_DISPATCH=1`.
+
+    With async dispatch, XLA runs every program that does more than about 1000 flops on
+    a worker thread, so each host call waits for the GIL on a thread other than the
+    caller's and the caller waits for the worker: measured on jax 0.10.2, 200-300 µs per
+    program with one host call next to a small dot, against 120-160 µs inline.
+
+    **Returns:** whether JAX will run programs inline.
+    """
+    if os.environ.get("DISTOP_ASYNC_DISPATCH", "0") not in ("", "0"):
+        return False
+    try:
+        # No public name (jax 0.10.2): the option only acts when the CPU client is made.
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return not jax.config.read("jax_cpu_enable_async_dispatch")
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    except (ImportError, AttributeError, KeyError):  # pragma: no cover - other jax
+        return False
+    return True

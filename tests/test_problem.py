@@ -271,3 +271,45 @@ def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
     products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     # only the forward value w @ y is left (unused, XLA drops it); not seeds @ w
     assert all(e.invars[0].aval.shape == (5, 8) for e in products)
+
+
+_INLINE_SCRIPT = """
+import threading
+import jax
+import numpy as np
+import distop
+
+jax.config.update("jax_enable_x64", True)
+threads = []
+
+class Scale(distop.DistributedOperator):
+    def forward(self, comm, x):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return 2 * x
+
+    def vjp(self, comm, y_bar, x):
+        return 2 * y_bar
+
+op = Scale()
+w = np.random.default_rng(0).standard_normal((16, 400))
+problem = distop.Problem(lambda x: {"f": w @ op(w.T @ x)}, {"x": np.ones(16)})
+problem.run()
+print(jax.config.read("jax_cpu_enable_async_dispatch"), all(threads), len(threads))
+"""
+
+
+@pytest.mark.parametrize("setting, expected", [(None, "False True"), ("1", "True")])
+def test_programs_run_on_the_calling_thread_unless_async_dispatch_is_kept(setting, expected):
+    # With JAX's async dispatch, a program with a few thousand flops runs on an XLA
+    # worker thread, its host calls too (and each waits for the GIL there).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DISTOP_ASYNC_DISPATCH"}
+    if setting is not None:
+        env["DISTOP_ASYNC_DISPATCH"] = setting
+    out = subprocess.run([sys.executable, "-c", _INLINE_SCRIPT], env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(expected), out.stdout

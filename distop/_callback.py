@@ -7,6 +7,7 @@ call, checks of what user code returns, and failure handling under MPI.
 
 import functools
 import inspect
+import math
 import sys
 import threading
 import traceback
@@ -46,7 +47,12 @@ def _method_info(cls, phase):
     site."""
     batched = bool(getattr(cls, "batched_" + phase, False))
     parameters = inspect.signature(getattr(cls, phase)).parameters
-    return batched, batched and "batched" in parameters, "out" in parameters
+    unbatched = getattr(cls, "unbatched", "broadcast")
+    if unbatched not in ("broadcast", "expand_dims"):
+        raise OperatorError(f"{cls.__name__}.unbatched = {unbatched!r}: expected "
+                            "'broadcast' or 'expand_dims'.")
+    return (batched, batched and "batched" in parameters, "out" in parameters,
+            unbatched == "expand_dims")
 
 
 class HostCall:
@@ -94,7 +100,7 @@ class HostCall:
                        else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
         cls = type(op)
         self.function = getattr(cls, phase)  # class-level: no per-call bound method
-        self.batched, takes_flag, self.takes_out = _method_info(cls, phase)
+        self.batched, takes_flag, self.takes_out, self.expand_dims = _method_info(cls, phase)
         # A batched method may take a keyword `batched` to learn whether this call
         # carries the leading batch axis (it does only when distop batches).
         self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
@@ -282,15 +288,19 @@ class HostCall:
 
     def _call_batched(self, args, comm, out=None, batch_shape=None):
         batch_shape = self.batch_shape if batch_shape is None else batch_shape
-        n = int(np.prod(batch_shape))
+        n = math.prod(batch_shape)
         full = []
         for a, lv, spec in zip(args, self.levels, self.arg_specs):
             a = np.asarray(a)
-            if not all(lv):
+            if all(lv):
+                a = a.reshape((n,) + spec.shape)
+            elif self.expand_dims and not any(lv):
+                a = a.reshape((1,) + spec.shape)
+            else:
                 a = a.reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))
                               + spec.shape)
-                a = np.broadcast_to(a, batch_shape + spec.shape)
-            full.append(a.reshape((n,) + spec.shape))
+                a = np.broadcast_to(a, batch_shape + spec.shape).reshape((n,) + spec.shape)
+            full.append(a)
         if out:
             out = [o.reshape((n,) + s.shape) for o, s in zip(out, self.result_specs)]
         results = self._check(self._invoke(full, comm, out), (n,))

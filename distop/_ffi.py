@@ -118,6 +118,10 @@ def _arrays(values, plan):
     return out
 
 
+def _address(array):
+    return array.__array_interface__["data"][0]
+
+
 def _handler(frame_pointer):
     frame = frame_pointer.contents
     try:
@@ -144,8 +148,8 @@ def _handler(frame_pointer):
         results = call(*args[1:], out=rets[1:])
         rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):
-            if result.ctypes.data != out.ctypes.data:  # not written in place by the method
-                out[...] = result
+            if result is not out and _address(result) != _address(out):
+                out[...] = result  # not written in place by the method
         return None
     except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
         api = C.cast(frame.api, C.POINTER(_Api)).contents

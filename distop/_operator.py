@@ -41,6 +41,11 @@ class DistributedOperator(eqx.Module):
       collective. Otherwise distop calls it once per batch row, in a fixed order, in one
       callback. A batched method may take a keyword `batched` telling whether the axis
       is there (it is only when distop batches).
+    - `unbatched`: how a batched method receives an argument that the batch does not
+      vary (the inputs of a vjp over K seeds, say): `"broadcast"` (default), a
+      C-contiguous copy repeated along the batch axis; `"expand_dims"`, the argument
+      itself with a batch axis of length 1 (numpy broadcasting applies), which saves
+      that copy on every call.
     - A method may take a keyword `out`: on the lean path distop passes the buffers its
       results go to (XLA's own, valid during the call; one array, or a tuple in the
       order of the results, None for results of integer dtype), else None. Writing the
@@ -66,6 +71,7 @@ class DistributedOperator(eqx.Module):
     batched_forward: ClassVar[bool] = False
     batched_vjp: ClassVar[bool] = False
     batched_jvp: ClassVar[bool] = False
+    unbatched: ClassVar[str] = "broadcast"
 
     def forward(self, comm, *inputs):
         """Compute the outputs on this rank.

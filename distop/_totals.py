@@ -3,6 +3,7 @@ cross-rank consistency checks they rely on."""
 
 import dataclasses
 import hashlib
+import itertools
 import time
 
 import numpy as np
@@ -46,7 +47,7 @@ def assemble(problem, layout, cts, of, wrt, return_format):
     """
     comm, rank = problem.comm, problem.comm.Get_rank()
     sizes = [layout.global_size(o) for o in of]
-    offsets = np.cumsum([0] + sizes)
+    offsets = list(itertools.accumulate(sizes, initial=0))
     totals = {}
     for w in wrt:
         block = cts[w].reshape(offsets[-1], -1)

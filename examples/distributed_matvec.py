@@ -37,6 +37,7 @@ class DistributedMatvec(distop.DistributedOperator):
     jvp_collectives = ("Allreduce",)
     batched_vjp = True
     batched_jvp = True
+    unbatched = "expand_dims"  # x as it is (a batch axis of 1), not copied K times
 
     def __init__(self, A, *, comm=None, ordered=None):
         self.A = A

@@ -33,6 +33,10 @@ class OrderedSin(Sin):
     ordered = True
 
 
+class ExpandedSin(BatchedSin):
+    unbatched = "expand_dims"
+
+
 def sin(cls=OrderedSin, **kw):
     return cls(2.0, calls=[], **kw)
 
@@ -47,7 +51,7 @@ def test_fields_without_defaults_and_ordered_settings():
     assert sin(Sin, ordered=True).is_ordered()
 
 
-@pytest.mark.parametrize("cls", [Sin, OrderedSin, BatchedSin])
+@pytest.mark.parametrize("cls", [Sin, OrderedSin, BatchedSin, ExpandedSin])
 def test_jit_grad_jacrev_vmap(cls):
     op = sin(cls)
     np.testing.assert_allclose(jax.jit(op)(X), 2 * np.sin(X), rtol=1e-15)
@@ -57,6 +61,8 @@ def test_jit_grad_jacrev_vmap(cls):
     vjps = [c for c in op.calls if c[0] == "vjp"]
     if cls is BatchedSin:  # one call for the whole (3, 3) cotangent block
         assert vjps == [("vjp", (3, 3), (3, 3))]
+    elif cls is ExpandedSin:  # x as it is, with a batch axis of length 1
+        assert vjps == [("vjp", (3, 3), (1, 3))]
     else:  # one callback, one user call per row, x not copied per row
         assert vjps == [("vjp", (3,), (3,))] * 3
     xs = np.stack([X, X + 1])
@@ -220,3 +226,12 @@ def test_derivatives_of_a_vmap_with_unbatched_arguments():
     np.testing.assert_allclose(jax.vmap(jax.grad(f, argnums=1), in_axes=(None, 0))(a, a[:, ::-1]),
                                jax.vmap(jax.grad(ref, argnums=1), in_axes=(None, 0))(a, a[:, ::-1]),
                                rtol=1e-14)
+
+
+def test_unbatched_must_be_broadcast_or_expand_dims():
+    class Odd(BatchedSin):
+        unbatched = "repeat"
+
+    with pytest.raises(distop.OperatorError, match=r"Odd.unbatched = 'repeat': expected "
+                                                   r"'broadcast' or 'expand_dims'"):
+        jax.jacrev(Odd(2.0, calls=[]))(X)

@@ -28,8 +28,14 @@ def _inexact(spec):
 
 
 def rows_of(mask):
-    """**Returns:** the indices of the true entries of `mask`, or None if all are."""
-    return None if mask.all() else np.flatnonzero(mask)
+    """**Returns:** None if every entry of `mask` is true; else its true entries, as a
+    slice where they are contiguous (views, not copies, of the rows), else as indices."""
+    found = np.flatnonzero(mask)
+    if len(found) == len(mask):
+        return None
+    if len(found) and found[-1] - found[0] + 1 == len(found):
+        return slice(int(found[0]), int(found[-1]) + 1)
+    return found
 
 
 def take_error():
@@ -231,14 +237,20 @@ class HostCall:
                 and self.batch_shape[0] > 1
                 and all(lv[0] for lv in self.levels[:self.n_linear]))
 
+    @functools.cached_property
+    def _arg_kinds(self):
+        """Per argument, how a batched call receives it: `"full"` (it carries every
+        batch level), `"expand"` (none, and the method takes it with a batch axis of
+        length 1) or `"broadcast"`."""
+        return tuple("full" if all(lv) else "expand" if self.expand_dims and not any(lv)
+                     else "broadcast" for lv in self.levels)
+
     def row_mask(self, args):
         """**Returns:** per batch row, whether some (co)tangent in `args` is nonzero
         there, on this rank."""
         n = self.batch_shape[0]
-        mask = np.zeros(n, bool)
-        for a in args[:self.n_linear]:
-            mask |= np.asarray(a).reshape(n, -1).any(axis=1)
-        return mask
+        masks = [np.asarray(a).reshape(n, -1).any(axis=1) for a in args[:self.n_linear]]
+        return masks[0] if len(masks) == 1 else np.logical_or.reduce(masks)
 
     @functools.cached_property
     def _skips_alone(self):
@@ -262,8 +274,9 @@ class HostCall:
         """The method on the batch rows `rows` only; zeros in the other rows. Writes
         into `out` (XLA's buffers) when given."""
         part = [a[rows] if lv[0] else a for a, lv in zip(args, self.levels)]
-        shape = (len(rows),)
-        if not len(rows):
+        contiguous = isinstance(rows, slice)
+        shape = (rows.stop - rows.start if contiguous else len(rows),)
+        if not shape[0]:
             found = [np.zeros(shape + s.shape, s.dtype) for s in self.result_specs]
         elif self.batched:
             found = self._call_batched(part, comm, batch_shape=shape)
@@ -272,7 +285,11 @@ class HostCall:
         results = out if out is not None else [np.empty(self.batch_shape + s.shape, s.dtype)
                                                for s in self.result_specs]
         for full, some in zip(results, found):
-            full[...] = 0
+            if contiguous:
+                full[:rows.start] = 0
+                full[rows.stop:] = 0
+            else:
+                full[...] = 0
             full[rows] = some
         return tuple(results)
 
@@ -290,11 +307,11 @@ class HostCall:
         batch_shape = self.batch_shape if batch_shape is None else batch_shape
         n = math.prod(batch_shape)
         full = []
-        for a, lv, spec in zip(args, self.levels, self.arg_specs):
+        for a, lv, kind, spec in zip(args, self.levels, self._arg_kinds, self.arg_specs):
             a = np.asarray(a)
-            if all(lv):
+            if kind == "full":
                 a = a.reshape((n,) + spec.shape)
-            elif self.expand_dims and not any(lv):
+            elif kind == "expand":
                 a = a.reshape((1,) + spec.shape)
             else:
                 a = a.reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))

@@ -216,8 +216,9 @@ class Problem:
           rows of replicated `of`; this rank's columns of distributed `wrt`).
 
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
-        identical on every rank for the global format (read-only where it is the
-        program's result as it is, as `run`'s values).
+        identical on every rank for the global format: views of the program's
+        result, read-only like `run`'s values where no gathering copied them
+        (`.copy()` one to change it).
         """
         layout = self._layout(self._point, ("compute_totals", repr(of), repr(wrt), mode,
                                             return_format))

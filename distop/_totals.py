@@ -57,9 +57,8 @@ def assemble(problem, layout, cts, of, wrt, return_format):
             start, stop = 0, size
             if return_format == "local" and o in layout.counts:
                 start, stop = layout.local_rows(o, rank)
-            rows = block[offset + start:offset + stop]
-            # a block that is the whole result is returned as it is (no copy)
-            totals[o, w] = rows if rows.shape[0] == block.shape[0] else rows.copy()
+            # a view of the program's result (read-only), not a copy
+            totals[o, w] = block[offset + start:offset + stop]
     return totals
 
 

@@ -313,3 +313,41 @@ def test_programs_run_on_the_calling_thread_unless_async_dispatch_is_kept(settin
                          capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(expected), out.stdout
+
+
+def test_rows_of_gives_none_a_slice_or_indices():
+    from distop._callback import rows_of
+
+    assert rows_of(np.array([True, True, True])) is None
+    assert rows_of(np.array([False, True, True, False])) == slice(1, 3)
+    np.testing.assert_array_equal(rows_of(np.array([True, False, True])), [0, 2])
+    assert len(rows_of(np.zeros(3, bool))) == 0
+
+
+def test_a_vjp_on_rows_that_are_not_contiguous_leaves_zeros_between_them():
+    seen = []
+
+    class Scale(distop.DistributedOperator):
+        forward_collectives = vjp_collectives = ("Allreduce",)
+        batched_vjp = True
+        unbatched = "expand_dims"
+
+        def forward(self, comm, x):
+            return 3.0 * x
+
+        def vjp(self, comm, y_bar, x, out=None):
+            seen.append((y_bar.shape, x.shape))
+            return 3.0 * y_bar
+
+    op = Scale(ordered=True)
+    # outputs 0 and 2 use the operator, output 1 does not: rows 0 and 2 of its cotangent
+    def model(x):
+        y = op(x)
+        return {"a": jnp.sum(y), "b": jnp.sum(x * x), "c": jnp.sum(2.0 * y)}
+
+    problem = distop.Problem(model, {"x": np.ones(4)})
+    J = problem.compute_totals(of=["a", "b", "c"])
+    np.testing.assert_array_equal(J["a", "x"], np.full((1, 4), 3.0))
+    np.testing.assert_array_equal(J["b", "x"], np.full((1, 4), 2.0))
+    np.testing.assert_array_equal(J["c", "x"], np.full((1, 4), 6.0))
+    assert seen == [((2, 4), (1, 4))], seen

@@ -334,10 +334,7 @@ class Problem:
         sizes = {o: layout.global_size(o) for o in of}
         offsets = dict(zip(of, np.cumsum([0] + [sizes[o] for o in of])))
         total = sum(sizes.values())
-        groups = {}
-        for name, spec in layout.outputs.items():
-            if np.issubdtype(spec.dtype, np.inexact):
-                groups.setdefault(np.dtype(spec.dtype), []).append(name)
+        groups = _seed_groups(layout)
         widths = {d: sum(int(np.prod(layout.outputs[k].shape)) for k in names)
                   for d, names in groups.items()}
         if specs_only:
@@ -353,6 +350,17 @@ class Problem:
                 column += int(np.prod(layout.outputs[name].shape))
             packed.append(seed)
         return tuple(packed)
+
+    def _unit_seeds(self, of, layout):
+        """**Returns:** the indices of the packed seeds of `_seeds` that are identity
+        matrices, the same on every rank: `of` is every output of that dtype, in
+        order, and no output is distributed (a rank's seeds would then hold its own
+        rows only, and the program rewrite, which can change how calls fuse, must be
+        the same everywhere)."""
+        if self.comm.Get_size() > 1 and any(k in self.distributed for k in layout.outputs):
+            return ()
+        return tuple(i for i, names in enumerate(_seed_groups(layout).values())
+                     if list(of) == names)
 
     @staticmethod
     def _split_seeds(packed, layout):
@@ -458,13 +466,10 @@ class Problem:
         if found is None:
             units = ()
             if name == "compute_totals":
-                seeds = [self._seeds(options[1], layout)]
-                units = tuple(i for i, s in enumerate(seeds[0]) if _is_identity(s))
-
-                def make_extra():  # called once (Program.extra keeps its result)
-                    return seeds.pop() if seeds else self._seeds(options[1], layout)
-                specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                     seeds[0])
+                def make_extra():
+                    return self._seeds(options[1], layout)
+                specs = self._seeds(options[1], layout, specs_only=True)
+                units = self._unit_seeds(options[1], layout)
             else:
                 specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                      make_extra())
@@ -673,11 +678,14 @@ def _aligned_copy(array, align=64):
     return out
 
 
-def _is_identity(array):
-    """Whether a 2-D array is an identity matrix."""
-    n = array.shape[0]
-    return (array.ndim == 2 and array.shape[1] == n and bool((array.diagonal() == 1).all())
-            and np.count_nonzero(array) == n)
+def _seed_groups(layout):
+    """dtype -> the floating-point outputs of that dtype, in the layout's order: one
+    packed seed array each (see `Problem._seeds`)."""
+    groups = {}
+    for name, spec in layout.outputs.items():
+        if np.issubdtype(spec.dtype, np.inexact):
+            groups.setdefault(np.dtype(spec.dtype), []).append(name)
+    return groups
 
 
 def _device(array):

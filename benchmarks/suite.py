@@ -53,8 +53,12 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    checks, views and watchdog), a jitted program without host calls taking the same
    arguments (`empty prog`), the lean program with one call (`handler+FFI`: what the
    FFI call and its handler add over those), with 16 independent calls fused into one
-   (`per fused`: each extra member), and `Problem.run` (`run extra`: the agreement on
-   the request, result views and the call count, over the program).
+   (`per fused`: each extra member), the one-call program followed by a product of
+   6400 flops (`prog 1+dot`), and `Problem.run` (`run extra`: the agreement on the
+   request, result views and the call count, over the program). The row `1 async`
+   is one process with `DISTOP_ASYNC_DISPATCH=1`: JAX's async dispatch kept, so XLA
+   runs programs above about 1000 flops (`prog 1+dot`, `prog 16 fused`) on a worker
+   thread, host calls included.
 
 Sections 1, 3 and 5 run under each of `--ranks` (1 2 4), section 2 under
 `--chain-ranks` (2), section 4 under `--large-ranks` (2). `--quick`: 5 repeats, K 1 16,
@@ -431,11 +435,14 @@ def overhead_section(bench):
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
     ops = [Twice(ordered=True) for _ in range(16)]
     call = _callback.HostCall(ops[0], "forward", _comm.private(None), True, (spec,), (spec,))
+    w = np.linspace(-1.0, 1.0, 400 * x.size).reshape(400, x.size)
     one = bench.problem(lambda x: {"y": ops[0](x)}, {"x": x})
     many = bench.problem(lambda x: {"y": jnp.stack([op(x) for op in ops])}, {"x": x})
-    one.run(), many.run()
+    # 6400 flops: above what XLA's CPU client runs inline when dispatch is async
+    product = bench.problem(lambda x: {"y": w @ ops[0](x)}, {"x": x})
+    one.run(), many.run(), product.run()
     program = {name: next(v for key, v in p._programs.items() if key[0] == "run")
-               for name, p in (("one", one), ("many", many))}
+               for name, p in (("one", one), ("many", many), ("product", product))}
     token, point = one._token, one._on_device(one._point)
     empty = jax.jit(lambda t, p: (p["x"] * 2.0, t + 1.0))
     comm = _comm.private(None)
@@ -445,9 +452,12 @@ def overhead_section(bench):
              "program 1 call": (lambda: jax.block_until_ready(program["one"].fn(token, point)),),
              "program 16 fused": (
                  lambda: jax.block_until_ready(program["many"].fn(token, point)),),
+             "program 1 call + product": (
+                 lambda: jax.block_until_ready(program["product"].fn(token, point)),),
              "Problem.run": (one.run,)}
     median = {name: t[0] for name, t in bench.interleaved(calls, 20 * bench.args.repeat).items()}
-    return {"rows": [{"median": median}]}
+    return {"rows": [{"median": median}],
+            "async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch"))}
 
 
 WORKERS = {"matvec": matvec_section, "chain": chain_section, "message": message_section,
@@ -490,15 +500,16 @@ def worker_options(args):
             "--large-size", str(args.large_size)]
 
 
-def launch(section, ranks, args):
-    """Run one section under `mpiexec -n ranks`, killing the job after `--timeout`.
+def launch(section, ranks, args, extra_env=None):
+    """Run one section under `mpiexec -n ranks` (with `extra_env` added to the
+    environment), killing the job after `--timeout`.
 
     **Returns:** `(result, None)`, or `(None, report)` if the job failed: what went
     wrong and the end of its output.
     """
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(HERE), "--worker", section,
            *worker_options(args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -649,19 +660,21 @@ def large_tables(results, args):
 
 def overhead_tables(results, args):
     header = ["P", "method", "HostCall", "empty prog", "prog 1", "prog 16 fused",
-              "run()", "distop/call", "handler+FFI", "per fused", "run extra"]
+              "prog 1+dot", "run()", "distop/call", "handler+FFI", "per fused", "run extra"]
     rows = []
     for p, r in results.items():
         m = r["rows"][0]["median"]
         rows.append([p, *(fmt(m[n], "us") for n in ("method", "HostCall", "empty program",
                                                       "program 1 call", "program 16 fused",
+                                                      "program 1 call + product",
                                                       "Problem.run")),
                      fmt(m["HostCall"] - m["method"], "us"),
                      fmt(m["program 1 call"] - m["empty program"] - m["HostCall"], "us"),
                      fmt((m["program 16 fused"] - m["program 1 call"]) / 15, "us"),
                      fmt(m["Problem.run"] - m["program 1 call"], "us")])
     print_table("distop's own work per call (us, medians): an operator on 8 doubles, no "
-                "communication", header, rows)
+                "communication; '1 async': one process with JAX's async dispatch kept",
+                header, rows)
 
 
 TABLES = {"matvec": matvec_tables, "chain": chain_tables, "message": message_tables,
@@ -675,16 +688,19 @@ def run_section(section, args):
     """
     results, failures = {}, []
     ranks_of = {"chain": args.chain_ranks, "large": args.large_ranks}
-    for ranks in ranks_of.get(section, args.ranks):
+    jobs = [(str(ranks), ranks, None) for ranks in ranks_of.get(section, args.ranks)]
+    if section == "overhead":  # JAX's async dispatch kept, one process
+        jobs.append(("1 async", 1, {"DISTOP_ASYNC_DISPATCH": "1"}))
+    for key, ranks, extra_env in jobs:
         start = time.perf_counter()
-        result, report = launch(section, ranks, args)
-        print(f"# {section} on {ranks} rank(s): {time.perf_counter() - start:.1f} s"
+        result, report = launch(section, ranks, args, extra_env)
+        print(f"# {section} on {key} rank(s): {time.perf_counter() - start:.1f} s"
               + ("" if report is None else ", FAILED"), file=sys.stderr, flush=True)
         if report is None:
-            results[str(ranks)] = result
+            results[key] = result
         else:
-            failures.append({"section": section, "ranks": ranks, "report": report})
-            print(f"\n# FAILED: {section} on {ranks} rank(s): {report}", flush=True)
+            failures.append({"section": section, "ranks": key, "report": report})
+            print(f"\n# FAILED: {section} on {key} rank(s): {report}", flush=True)
     if results:
         TABLES[section](results, args)
     return results, failures

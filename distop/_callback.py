@@ -240,10 +240,12 @@ class HostCall:
     @functools.cached_property
     def _arg_kinds(self):
         """Per argument, how a batched call receives it: `"full"` (it carries every
-        batch level), `"expand"` (none, and the method takes it with a batch axis of
-        length 1) or `"broadcast"`."""
-        return tuple("full" if all(lv) else "expand" if self.expand_dims and not any(lv)
-                     else "broadcast" for lv in self.levels)
+        batch level), `"expand"` (an input, not a (co)tangent, that carries none, and
+        the method takes it with a batch axis of length 1) or `"broadcast"`. A
+        (co)tangent is always broadcast: the method's results follow its batch axis."""
+        return tuple("full" if all(lv) else "expand" if (self.expand_dims and not any(lv)
+                                                          and i >= self.n_linear)
+                     else "broadcast" for i, lv in enumerate(self.levels))
 
     def row_mask(self, args):
         """**Returns:** per batch row, whether some (co)tangent in `args` is nonzero

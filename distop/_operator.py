@@ -41,11 +41,11 @@ class DistributedOperator(eqx.Module):
       collective. Otherwise distop calls it once per batch row, in a fixed order, in one
       callback. A batched method may take a keyword `batched` telling whether the axis
       is there (it is only when distop batches).
-    - `unbatched`: how a batched method receives an argument that the batch does not
+    - `unbatched`: how a batched method receives an input that the batch does not
       vary (the inputs of a vjp over K seeds, say): `"broadcast"` (default), a
-      C-contiguous copy repeated along the batch axis; `"expand_dims"`, the argument
+      C-contiguous copy repeated along the batch axis; `"expand_dims"`, the input
       itself with a batch axis of length 1 (numpy broadcasting applies), which saves
-      that copy on every call.
+      that copy on every call. (Co)tangents are always broadcast.
     - A method may take a keyword `out`: on the lean path distop passes the buffers its
       results go to (XLA's own, valid during the call; one array, or a tuple in the
       order of the results, None for results of integer dtype), else None. Writing the

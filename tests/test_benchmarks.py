@@ -25,3 +25,6 @@ def test_suite_runs_and_writes_its_tables_and_json(tmp_path):
     assert not results["failures"]
     large = results["results"]["large"]["2"]["rows"][0]
     assert large["error"] < 1e-12 and set(large["median"]) == {"hand", "lean"}
+    overhead = results["results"]["overhead"]
+    # the extra job keeps JAX's async dispatch; distop's default turns it off
+    assert overhead["1 async"]["async_dispatch"] and not overhead["2"]["async_dispatch"]

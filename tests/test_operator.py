@@ -235,3 +235,27 @@ def test_unbatched_must_be_broadcast_or_expand_dims():
     with pytest.raises(distop.OperatorError, match=r"Odd.unbatched = 'repeat': expected "
                                                    r"'broadcast' or 'expand_dims'"):
         jax.jacrev(Odd(2.0, calls=[]))(X)
+
+
+def test_expand_dims_leaves_an_unbatched_cotangent_or_tangent_broadcast():
+    # vmap over x with one fixed cotangent (or tangent): that argument carries no batch
+    # axis, yet the method's results must have one; only inputs are expanded
+    op = ExpandedSin(2.0, calls=[])
+    xs = np.stack([X, X + 1.0, 2.0 * X])
+    got = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(op(x) * X))))(xs)
+    np.testing.assert_allclose(got, 2.0 * np.cos(xs) * X, rtol=1e-14)
+    assert ("vjp", (3, 3), (3, 3)) in op.calls
+
+
+class ExpandedSinWithJvp(ExpandedSin):
+    batched_jvp = True
+
+    def jvp(self, comm, x_dot, x):
+        return self.scale * np.cos(x) * x_dot
+
+
+def test_expand_dims_jvp_with_a_fixed_tangent():
+    op = ExpandedSinWithJvp(2.0, calls=[])
+    xs = np.stack([X, X + 1.0])
+    got = jax.jit(jax.vmap(lambda x: jax.jvp(op, (x,), (np.ones(3),))[1]))(xs)
+    np.testing.assert_allclose(got, 2.0 * np.cos(xs), rtol=1e-14)

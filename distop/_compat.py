@@ -28,8 +28,9 @@ def prefer_inline_execution():
 
     With async dispatch, XLA runs every program that does more than about 1000 flops on
     a worker thread, so each host call waits for the GIL on a thread other than the
-    caller's and the caller waits for the worker: measured on jax 0.10.2, 200-300 µs per
-    program with one host call next to a small dot, against 120-160 µs inline.
+    caller's and the caller waits for the worker: measured on jax 0.10.2, 258 µs for a
+    program with one host call and a small product, against 87 µs inline (the
+    benchmark suite's `overhead` section).
 
     **Returns:** whether JAX will run programs inline.
     """

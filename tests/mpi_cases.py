@@ -54,6 +54,26 @@ def matvec_unrolled():
 
 
 @case("matvec")
+def one_vector_objective_drops_the_unit_seed_product_on_every_rank():
+    # one output f = W y: its seeds are the identity, the same on every rank, so every
+    # rank's program skips seeds @ W (and its VJP gets x once, expand_dims)
+    a_local, a_global, x0, w = dm.setup(40, 6, comm)
+    op = dm.DistributedMatvec(a_local)
+    problem = distop.Problem(lambda x, w: {"f": w @ op(x)}, {"x": x0, "w": w})
+    for _ in range(2):
+        J = problem.compute_totals("f", "x")["f", "x"]
+        all_close_everywhere(comm, J, w @ a_global, atol=1e-12)
+    program = next(p for key, p in problem._programs.items()
+                   if key[0] == "compute_totals" and key[1][1:] == (("f",), ("x",)))
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64),
+                             {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype),
+                              "w": jax.ShapeDtypeStruct(w.shape, w.dtype)},
+                             jax.ShapeDtypeStruct((6, 6), np.float64)).jaxpr
+    products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert all(e.invars[0].aval.shape == w.shape for e in products), products
+
+
+@case("matvec")
 def matvec_ordered_is_default_and_verified():
     a_local, _, x0, w = dm.setup(20, 4, comm)
     problem = distop.Problem(dm.build(a_local, w, "forward"), {"x": x0})

@@ -63,6 +63,8 @@ def one_vector_objective_drops_the_unit_seed_product_on_every_rank():
     for _ in range(2):
         J = problem.compute_totals("f", "x")["f", "x"]
         all_close_everywhere(comm, J, w @ a_global, atol=1e-12)
+    if problem.backend != "lean":  # only lean programs are rewritten
+        return
     program = next(p for key, p in problem._programs.items()
                    if key[0] == "compute_totals" and key[1][1:] == (("f",), ("x",)))
     jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64),

@@ -365,20 +365,14 @@ class Problem:
     @staticmethod
     def _split_seeds(packed, layout):
         """The per-output cotangent seeds of `_seeds`, inside the program."""
-        packed, seeds, columns = iter(packed), {}, {}
-        current = {}
-        total = None
-        for name, spec in layout.outputs.items():
-            if not np.issubdtype(spec.dtype, np.inexact):
-                continue
-            dtype = np.dtype(spec.dtype)
-            if dtype not in current:
-                current[dtype], columns[dtype] = next(packed), 0
-                total = current[dtype].shape[0]
-            n = int(np.prod(spec.shape))
-            seeds[name] = current[dtype][:, columns[dtype]:columns[dtype] + n].reshape(
-                (total,) + spec.shape)
-            columns[dtype] += n
+        seeds, total = {}, None
+        for seed, names in zip(packed, _seed_groups(layout).values()):
+            total, column = seed.shape[0], 0
+            for name in names:
+                spec = layout.outputs[name]
+                n = math.prod(spec.shape)
+                seeds[name] = seed[:, column:column + n].reshape((total,) + spec.shape)
+                column += n
         for name, spec in layout.outputs.items():
             if name not in seeds:
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
@@ -464,12 +458,10 @@ class Problem:
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
-            units = ()
             if name == "compute_totals":
                 def make_extra():
                     return self._seeds(options[1], layout)
                 specs = self._seeds(options[1], layout, specs_only=True)
-                units = self._unit_seeds(options[1], layout)
             else:
                 specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                      make_extra())
@@ -479,8 +471,7 @@ class Problem:
                     self._traced_run = None
                     fn, outputs, jaxpr = pending[1]
                 else:
-                    fn, outputs, jaxpr = self._trace(name, options, layout, specs, True,
-                                                     units)
+                    fn, outputs, jaxpr = self._trace(name, options, layout, specs, True)
             except NotImplementedError as err:
                 if "not supported in vmap" not in str(err):
                     raise
@@ -493,8 +484,7 @@ class Problem:
                                   "callbacks), so seeds and finite-difference perturbations "
                                   "run in a loop, one per iteration, instead of one batch.",
                                   stacklevel=3)
-                fn, outputs, jaxpr = self._trace(name, options, layout, specs, False,
-                                                 units)
+                fn, outputs, jaxpr = self._trace(name, options, layout, specs, False)
             with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
                 schedule = _schedule.agree(self.comm, name, _schedule.extract(jaxpr))
             checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
@@ -507,11 +497,10 @@ class Problem:
                 if getattr(eqn.params.get("call"), "lean", False)])
         return found
 
-    def _trace(self, name, options, layout, specs, vectorize, units=()):
+    def _trace(self, name, options, layout, specs, vectorize):
         """Trace an entry point's program, on the lean path if the backend says so and
         the program allows it (its lean calls form one token chain), else with ordered
-        `io_callback`s. `units`: the indices of the arguments after the point (`specs`)
-        that hold identity matrices (unit seeds)."""
+        `io_callback`s."""
         if self.backend == "lean":
             try:
                 found = self._trace_with(name, options, layout, specs, vectorize, True)
@@ -521,10 +510,10 @@ class Problem:
                 # comes back from the io_callback trace below.
                 found = None
             if found is not None and _ffi.chained(found[2]):
-                return self._rewritten(name, found, layout, specs, units)
+                return self._rewritten(name, options, found, layout, specs)
         return self._trace_with(name, options, layout, specs, vectorize, False)
 
-    def _rewritten(self, name, found, layout, specs, units):
+    def _rewritten(self, name, options, found, layout, specs):
         """A traced lean program with its products with unit seeds dropped, its
         neighbour calls fused (if `fuse`) and a long chain cut into segments (see
         _rewrite.py); `found` itself if none applies. One agreement step on every rank,
@@ -532,14 +521,15 @@ class Problem:
 
         **Returns:** (function, outputs, the program before segments: its schedule)."""
         return self._agree(f"{name}: rewriting the program",
-                           lambda: self._rewrite(found, layout, specs, units))
+                           lambda: self._rewrite(name, options, found, layout, specs))
 
-    def _rewrite(self, found, layout, specs, units):
+    def _rewrite(self, name, options, found, layout, specs):
         from ._operator import host_call_p
 
         closed = found[2]
-        invars = closed.jaxpr.invars[len(closed.jaxpr.invars) - len(specs):]
-        simpler = _rewrite.drop_identity_products(closed, {invars[i] for i in units})
+        seeds = closed.jaxpr.invars[len(closed.jaxpr.invars) - len(specs):]
+        units = self._unit_seeds(options[1], layout) if name == "compute_totals" else ()
+        simpler = _rewrite.drop_identity_products(closed, {seeds[i] for i in units})
         closed = simpler or closed
         fused = _rewrite.fuse(closed, host_call_p) if self.fuse else None
         if fused is not None:

@@ -262,23 +262,24 @@ def drop_identity_products(closed_jaxpr, identities):
     """
     if not identities:
         return None
-    jaxpr, rename, eqns = closed_jaxpr.jaxpr, {}, []
+    jaxpr, rename, eqns, dropped = closed_jaxpr.jaxpr, {}, [], False
     for eqn in jaxpr.eqns:
-        invars = [rename.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
-        found = _identity_product(eqn, invars, identities)
+        if rename:
+            eqn = eqn.replace(invars=[rename.get(v, v) if isinstance(v, Var) else v
+                                      for v in eqn.invars])
+        found = _identity_product(eqn, identities)
         if found is None:
-            changed = any(a is not b for a, b in zip(invars, eqn.invars))
-            eqns.append(eqn.replace(invars=invars) if changed else eqn)
+            eqns.append(eqn)
             continue
         other, permutation = found
+        dropped = True
         if permutation is None:
             rename[eqn.outvars[0]] = other
         else:
             eqns.append(new_jaxpr_eqn([other], eqn.outvars, lax.transpose_p,
                                       {"permutation": permutation}, set(), eqn.source_info,
                                       eqn.ctx))
-    if len(eqns) == len(jaxpr.eqns) and not rename and all(
-            a is b for a, b in zip(eqns, jaxpr.eqns)):
+    if not dropped:
         return None
     outvars = [rename.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
     new = Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
@@ -286,7 +287,7 @@ def drop_identity_products(closed_jaxpr, identities):
     return ClosedJaxpr(new, closed_jaxpr.consts)
 
 
-def _identity_product(eqn, invars, identities):
+def _identity_product(eqn, identities):
     """**Returns:** (the other factor, the permutation of its axes that gives the
     product, None for none) if `eqn` multiplies an identity matrix with another array
     (a `dot_general` contracting one axis, no batch axes, same dtype); else None."""
@@ -296,7 +297,7 @@ def _identity_product(eqn, invars, identities):
     if any(batch) or len(contract_l) != 1:
         return None
     out = eqn.outvars[0].aval
-    lhs, rhs = invars
+    lhs, rhs = eqn.invars
     for unit, other, axis, first in ((lhs, rhs, contract_r[0], True),
                                      (rhs, lhs, contract_l[0], False)):
         if (isinstance(unit, Var) and unit in identities and isinstance(other, Var)

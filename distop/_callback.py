@@ -30,11 +30,13 @@ def _inexact(spec):
 def rows_of(mask):
     """**Returns:** None if every entry of `mask` is true; else its true entries, as a
     slice where they are contiguous (views, not copies, of the rows), else as indices."""
-    found = np.flatnonzero(mask)
+    found = mask.nonzero()[0]
     if len(found) == len(mask):
         return None
-    if len(found) and found[-1] - found[0] + 1 == len(found):
-        return slice(int(found[0]), int(found[-1]) + 1)
+    if len(found):
+        first, last = int(found[0]), int(found[-1])
+        if last - first + 1 == len(found):
+            return slice(first, last + 1)
     return found
 
 
@@ -214,6 +216,8 @@ class HostCall:
             kwargs = {**kwargs, "out": self._user_out(out) if out else None}
         if self.phase == "forward":
             return self.function(self.op, comm, *args, **kwargs)
+        if self.n_slots == self.n_linear == 1:  # one (co)tangent, passed as itself
+            return self.function(self.op, comm, *args, **kwargs)
         linear = [None] * self.n_slots
         for slot, a in zip(self.slots, args):
             linear[slot] = a
@@ -221,6 +225,8 @@ class HostCall:
         return self.function(self.op, comm, linear, *args[self.n_linear:], **kwargs)
 
     def _user_out(self, out):
+        if self.n_user_results == 1 and len(out) == 1:
+            return out[0]
         picks = self.result_picks if self.result_picks is not None else range(
             self.n_user_results)
         every = [None] * self.n_user_results
@@ -274,25 +280,30 @@ class HostCall:
 
     def _call_some_rows(self, args, rows, comm, out):
         """The method on the batch rows `rows` only; zeros in the other rows. Writes
-        into `out` (XLA's buffers) when given."""
+        into `out` (XLA's buffers) when given; a batched method that takes `out=` gets
+        its part of them when the rows are contiguous."""
         part = [a[rows] if lv[0] else a for a, lv in zip(args, self.levels)]
         contiguous = isinstance(rows, slice)
-        shape = (rows.stop - rows.start if contiguous else len(rows),)
-        if not shape[0]:
-            found = [np.zeros(shape + s.shape, s.dtype) for s in self.result_specs]
-        elif self.batched:
-            found = self._call_batched(part, comm, batch_shape=shape)
-        else:
-            found = self._call_rows(part, comm, shape)
+        count = rows.stop - rows.start if contiguous else len(rows)
         results = out if out is not None else [np.empty(self.batch_shape + s.shape, s.dtype)
                                                for s in self.result_specs]
+        given = None
+        if not count:
+            found = [0] * len(results)
+        elif self.batched:
+            if contiguous and self.takes_out:
+                given = [full[rows] for full in results]
+            found = self._call_batched(part, comm, given, batch_shape=(count,))
+        else:
+            found = self._call_rows(part, comm, (count,))
         for full, some in zip(results, found):
-            if contiguous:
+            if contiguous and count:
                 full[:rows.start] = 0
                 full[rows.stop:] = 0
             else:
                 full[...] = 0
-            full[rows] = some
+            if count:
+                full[rows] = some  # (no copy when written in place: the same memory)
         return tuple(results)
 
     def _call_rows(self, args, comm, batch_shape=None):
@@ -309,30 +320,34 @@ class HostCall:
         batch_shape = self.batch_shape if batch_shape is None else batch_shape
         n = math.prod(batch_shape)
         full = []
-        for a, lv, kind, spec in zip(args, self.levels, self._arg_kinds, self.arg_specs):
-            a = np.asarray(a)
+        for a, lv, kind, shape in zip(args, self.levels, self._arg_kinds, self._arg_shapes):
             if kind == "full":
-                a = a.reshape((n,) + spec.shape)
+                a = a.reshape((n,) + shape)
             elif kind == "expand":
-                a = a.reshape((1,) + spec.shape)
+                a = a.reshape((1,) + shape)
             else:
-                a = a.reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))
-                              + spec.shape)
-                a = np.broadcast_to(a, batch_shape + spec.shape).reshape((n,) + spec.shape)
+                a = np.asarray(a).reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))
+                                          + shape)
+                a = np.broadcast_to(a, batch_shape + shape).reshape((n,) + shape)
             full.append(a)
         if out:
             out = [o.reshape((n,) + s.shape) for o, s in zip(out, self.result_specs)]
         results = self._check(self._invoke(full, comm, out), (n,))
+        if len(batch_shape) == 1:
+            return results
         return tuple(r.reshape(batch_shape + s.shape)
                      for r, s in zip(results, self.result_specs))
 
+    @functools.cached_property
+    def _arg_shapes(self):
+        return tuple(s.shape for s in self.arg_specs)
+
     def _check(self, result, batch, row=None):
-        where = "" if row is None else f" (batch row {row})"
-        what = {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output")
         n = self.n_user_results
         if n == 1 and not isinstance(result, (tuple, list)):
             result = (result,)
         if not isinstance(result, (tuple, list)) or len(result) != n:
+            where, what = self._describe(row)
             got = (f"a {type(result).__name__} of length {len(result)}"
                    if isinstance(result, (tuple, list)) else type(result).__name__)
             raise OperatorError(self._say(
@@ -343,11 +358,13 @@ class HostCall:
         for k, spec in zip(picks, self.result_specs):
             r = result[k]
             if r is None:
+                where, what = self._describe(row)
                 raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
                                               "return zeros for a zero cotangent"))
             r = np.asarray(r, order="C")
             shape = batch + spec.shape
             if r.shape != shape or r.dtype != spec.dtype:
+                where, what = self._describe(row)
                 raise OperatorError(self._say(
                     f"returned {what} {k}{where} with shape {r.shape} and dtype "
                     f"{r.dtype}; expected shape {shape} and dtype {np.dtype(spec.dtype)}"
@@ -355,6 +372,11 @@ class HostCall:
                        if batch else "")))
             checked.append(r)
         return tuple(checked)
+
+    def _describe(self, row):
+        """**Returns:** (where in the batch, what the results are), for messages."""
+        return ("" if row is None else f" (batch row {row})",
+                {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output"))
 
     def _say(self, text):
         rank = self.comm.Get_rank() if self.comm is not None else 0

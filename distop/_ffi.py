@@ -118,10 +118,6 @@ def _arrays(values, plan):
     return out
 
 
-def _address(array):
-    return array.__array_interface__["data"][0]
-
-
 def _handler(frame_pointer):
     frame = frame_pointer.contents
     try:
@@ -148,8 +144,9 @@ def _handler(frame_pointer):
         results = call(*args[1:], out=rets[1:])
         rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):
-            if result is not out and _address(result) != _address(out):
-                out[...] = result  # not written in place by the method
+            if result is not out:
+                # (numpy skips the copy when `result` is `out`'s memory: written in place)
+                out[...] = result
         return None
     except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
         api = C.cast(frame.api, C.POINTER(_Api)).contents

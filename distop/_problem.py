@@ -469,9 +469,10 @@ class Problem:
             try:
                 if pending is not None and pending[0] is layout.inputs:
                     self._traced_run = None
-                    fn, outputs, jaxpr = pending[1]
+                    fn, outputs, jaxpr, traced = pending[1]
                 else:
-                    fn, outputs, jaxpr = self._trace(name, options, layout, specs, True)
+                    fn, outputs, jaxpr, traced = self._trace(name, options, layout, specs,
+                                                             True)
             except NotImplementedError as err:
                 if "not supported in vmap" not in str(err):
                     raise
@@ -484,23 +485,27 @@ class Problem:
                                   "callbacks), so seeds and finite-difference perturbations "
                                   "run in a loop, one per iteration, instead of one batch.",
                                   stacklevel=3)
-                fn, outputs, jaxpr = self._trace(name, options, layout, specs, False)
+                fn, outputs, jaxpr, traced = self._trace(name, options, layout, specs,
+                                                         False)
             with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
-                schedule = _schedule.agree(self.comm, name, _schedule.extract(jaxpr))
+                schedule = _schedule.agree(self.comm, name,
+                                           _schedule.extract(jaxpr, traced))
             checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
                        and self.comm.Get_size() > 1 else None)
+            calls = _rewrite.lean_calls(jaxpr.jaxpr)
             found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                                  _rewrite.host_calls(jaxpr.jaxpr))
+                                                  len(calls))
             # the lean call sites live as long as the program
-            weakref.finalize(found, _ffi.release, [
-                eqn.params["call"] for eqn in jaxpr.jaxpr.eqns
-                if getattr(eqn.params.get("call"), "lean", False)])
+            weakref.finalize(found, _ffi.release, calls)
         return found
 
     def _trace(self, name, options, layout, specs, vectorize):
         """Trace an entry point's program, on the lean path if the backend says so and
         the program allows it (its lean calls form one token chain), else with ordered
-        `io_callback`s."""
+        `io_callback`s.
+
+        **Returns:** (function, outputs, the program before segments: its schedule, the
+        lean calls as traced in chain order or None: see `_schedule.extract`)."""
         if self.backend == "lean":
             try:
                 found = self._trace_with(name, options, layout, specs, vectorize, True)
@@ -510,13 +515,14 @@ class Problem:
                 # comes back from the io_callback trace below.
                 found = None
             if found is not None and _ffi.chained(found[2]):
-                return self._rewritten(name, options, found, layout, specs)
-        return self._trace_with(name, options, layout, specs, vectorize, False)
+                return (*self._rewritten(name, options, found, layout, specs),
+                        _rewrite.lean_calls(found[2].jaxpr))
+        return (*self._trace_with(name, options, layout, specs, vectorize, False), None)
 
     def _rewritten(self, name, options, found, layout, specs):
-        """A traced lean program with its products with unit seeds dropped, its
-        neighbour calls fused (if `fuse`) and a long chain cut into segments (see
-        _rewrite.py); `found` itself if none applies. One agreement step on every rank,
+        """A traced lean program with its products with unit seeds and its forward calls
+        whose results nothing reads dropped, its neighbour calls fused (if `fuse`) and a
+        long chain cut into segments (see _rewrite.py); `found` itself if none applies. One agreement step on every rank,
         whatever applies (so rank-dependent programs reach the schedule check in step).
 
         **Returns:** (function, outputs, the program before segments: its schedule)."""
@@ -529,15 +535,19 @@ class Problem:
         closed = found[2]
         seeds = closed.jaxpr.invars[len(closed.jaxpr.invars) - len(specs):]
         units = self._unit_seeds(options[1], layout) if name == "compute_totals" else ()
-        simpler = _rewrite.drop_identity_products(closed, {seeds[i] for i in units})
-        closed = simpler or closed
-        fused = _rewrite.fuse(closed, host_call_p) if self.fuse else None
-        if fused is not None:
-            if not _ffi.chained(fused):
-                raise DistopError("the fused program is not one chain")
-            closed = fused
+        steps = [lambda c: _rewrite.drop_identity_products(c, {seeds[i] for i in units}),
+                 _rewrite.drop_unused_calls]
+        if self.fuse:
+            steps.append(lambda c: _rewrite.fuse(c, host_call_p))
+        changed = False
+        for step in steps:
+            new = step(closed)
+            if new is not None:
+                closed, changed = new, True
+        if not _ffi.chained(closed):
+            raise DistopError("the rewritten program is not one chain")
         run = _rewrite.segmented(closed)
-        if run is None and fused is None and simpler is None:
+        if run is None and not changed:
             return found
         run = run or jaxpr_as_fun(closed)
         fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))

@@ -244,6 +244,47 @@ def _topological(nodes):
     return order
 
 
+# -- calls whose results nothing reads --------------------------------------------------
+def drop_unused_calls(closed_jaxpr):
+    """The program without the lean forward calls whose results nothing reads, and
+    without the operations that only fed them or only read their results.
+
+    Only the token keeps such a call in the program: the same dead code elimination that
+    XLA applies to any unused computation. In `compute_totals`, where the outputs'
+    values are not returned, this drops every forward call that only they need (a
+    reverse sweep reads the operators' inputs, not their outputs): one call and its
+    collectives less per operator. Derivative calls always stay (every operator runs its
+    VJP, with zero cotangents where no output depends on it). Every rank must drop the
+    same calls: the schedule, agreed after this, lists the dropped ones as not made.
+
+    **Returns:** the rewritten `ClosedJaxpr`, or None if it drops nothing.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    live, keep, dropped = set(_vars(jaxpr.outvars)), [], set()
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        if (_lean(eqn) and eqn.params["call"].phase == "forward"
+                and not any(v in live for v in eqn.outvars[1:])):
+            dropped.add(i)
+            if eqn.outvars[0] in live:  # the token goes on, past the call
+                live.add(eqn.invars[0])
+        elif _lean(eqn) or eqn.effects or any(v in live for v in eqn.outvars):
+            keep.append(eqn)
+            live.update(_vars(eqn.invars))
+    if not dropped:
+        return None
+    rename = {}
+    for i in sorted(dropped):
+        token_in, token_out = jaxpr.eqns[i].invars[0], jaxpr.eqns[i].outvars[0]
+        rename[token_out] = rename.get(token_in, token_in)
+    eqns = [eqn.replace(invars=[rename.get(v, v) if isinstance(v, Var) else v
+                                for v in eqn.invars]) for eqn in reversed(keep)]
+    outvars = [rename.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
+    new = Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
+                jaxpr.debug_info)
+    return ClosedJaxpr(new, closed_jaxpr.consts)
+
+
 # -- products with unit seeds ----------------------------------------------------------
 def drop_identity_products(closed_jaxpr, identities):
     """The program with every product of an identity matrix and another array replaced
@@ -312,9 +353,9 @@ def _identity_product(eqn, identities):
 
 
 # -- segments -------------------------------------------------------------------------
-def host_calls(jaxpr):
-    """**Returns:** the number of lean host calls at the top level of `jaxpr`."""
-    return sum(1 for eqn in jaxpr.eqns if _lean(eqn))
+def lean_calls(jaxpr):
+    """**Returns:** the lean host calls at the top level of `jaxpr`, in program order."""
+    return tuple(eqn.params["call"] for eqn in jaxpr.eqns if _lean(eqn))
 
 
 def segmented(closed_jaxpr, size=SEGMENT):

@@ -26,7 +26,11 @@ class ScheduleEntry:
     differs between ranks, in which case the shape shows the global size of that axis),
     `lean` (called through the lean path: ordered by the program's token chain),
     `group` (the host call that runs the entry, counted in program order: entries with
-    the same group were fused into one host call and run one after another in it).
+    the same group were fused into one host call and run one after another in it),
+    `made` (False for a call the lean program leaves out because nothing reads its
+    results, such as a forward call in `compute_totals` whose values only the outputs
+    need: it keeps its place in program order and carries the group of the next call
+    made, or of the last one at the end, so the groups are still the host calls).
     """
 
     index: int
@@ -44,6 +48,7 @@ class ScheduleEntry:
     output_distributed: tuple[bool, ...] = ()
     lean: bool = False
     group: int = 0
+    made: bool = True
 
     @property
     def shapes(self):
@@ -62,7 +67,8 @@ class ScheduleEntry:
         return (f"{self.operator}.{self.phase} collectives={list(self.collectives)} "
                 f"in=({ins}) out=({outs}) batch={list(self.batch)} "
                 f"{'lean' if self.lean else 'ordered' if self.ordered else 'unordered'}"
-                + (f" in {self.context}" if self.context else "") + f" call {self.group}")
+                + (f" in {self.context}" if self.context else "") + f" call {self.group}"
+                + ("" if self.made else " not made: its results are unused"))
 
 
 def _arrays(shapes, dtypes, distributed):
@@ -71,26 +77,40 @@ def _arrays(shapes, dtypes, distributed):
                      for s, d, dist in zip(shapes, dtypes, distributed))
 
 
-def extract(closed_jaxpr):
+def extract(closed_jaxpr, traced=None):
     """The schedule of a traced program.
 
     **Arguments:**
     - `closed_jaxpr`: the program, as from `jax.make_jaxpr` or `jit(...).trace(...).jaxpr`.
+    - `traced`: for a lean program rewritten after tracing (see _rewrite.py), its host
+      calls as traced, in chain order; the calls the rewrite left out are listed among
+      them with `made=False`. None: the calls in `closed_jaxpr`.
 
     **Returns:** a tuple of `ScheduleEntry`, in program order.
     """
-    entries = []
-    _walk(closed_jaxpr, "", entries, [0])
+    found = []  # (call, context, group)
+    _walk(closed_jaxpr, "", found, [0])
+    entries = [_entry(call, context, group) for call, context, group in found]
+    if traced is not None and len(traced) > len(found):
+        made = {id(call): entry for (call, _, _), entry in zip(found, entries)}
+        entries, following = [], len({group for _, _, group in found}) - 1
+        for call in reversed(traced):
+            entry = made.get(id(call))
+            if entry is None:
+                entry = dataclasses.replace(_entry(call, "", max(following, 0)), made=False)
+            following = entry.group
+            entries.append(entry)
+        entries.reverse()
     return tuple(dataclasses.replace(e, index=i) for i, e in enumerate(entries))
 
 
-def _walk(jaxpr, context, entries, calls):
+def _walk(jaxpr, context, found, calls):
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         call = eqn.params.get("call")
         if isinstance(call, (HostCall, FusedCall)):
             for member in getattr(call, "members", (call,)):
-                entries.append(_entry(member, context, calls[0]))
+                found.append((member, context, calls[0]))
             calls[0] += 1
             continue
         name = eqn.primitive.name
@@ -107,7 +127,7 @@ def _walk(jaxpr, context, entries, calls):
             for k, j in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
                 if hasattr(getattr(j, "jaxpr", j), "eqns"):
                     where = f"{sub}.branch{k}" if name == "cond" else sub
-                    _walk(j, where, entries, calls)
+                    _walk(j, where, found, calls)
 
 
 def _entry(call, context, group):

@@ -16,7 +16,12 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
 `compute_totals` program (schedule entries of one fusion group make one host call).
 
 1. `matvec`: the scenario of examples/distributed_matvec.py (M=400; K objectives
-   f_k = w_k . y of one operator y = (sum_r A_r) x), `run` and `compute_totals`:
+   f_k = w_k . y of one operator y = (sum_r A_r) x), `run` and `compute_totals`, and
+   `run+totals`: the values and the gradients at one point. `hand` and `floor` compute
+   values and gradients together in their `compute_totals` (and again in `run+totals`),
+   while distop's `compute_totals` returns gradients only and makes no forward call
+   whose value nothing in the reverse sweep reads, so `run+totals` (`run`, then
+   `compute_totals`) is the like-for-like row for distop:
    - `hand`: numpy + mpi4py (benchmarks/matvec.py's `hand_written`: one Allreduce, and
      one batched Allreduce for the K gradients);
    - `floor`: one jitted program with bare ordered io_callbacks doing the hand-written
@@ -94,6 +99,7 @@ FULL = {"repeat": 50, "objectives": [1, 16, 64], "ops": [10, 100, 1000, 2000],
 QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 100_000],
          "ranks": [1, 2], "timeout": 300, "large_size": 100_000}
 MATVEC = ("hand", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax")
+MATVEC_ENTRIES = ("run", "compute_totals", "run+totals")
 RATIOS = (("lean", "hand"), ("lean", "floor"), ("lean", "mpi4jax"), ("nofuse", "lean"),
           ("io_cb", "lean"), ("unord", "lean"))
 
@@ -242,9 +248,18 @@ def matvec_variants(bench, k):
 
 
 def timed_calls(variant):
-    """**Returns:** the (run, compute_totals) calls to time of a variant."""
-    return variant.calls() if isinstance(variant, Jitted) else (variant.run,
-                                                                variant.compute_totals)
+    """**Returns:** the calls to time of a variant: run, compute_totals, and values with
+    gradients (`run` then `compute_totals` for a Problem; a `Jitted` computes both in
+    its second program)."""
+    if isinstance(variant, Jitted):
+        run, totals = variant.calls()
+        return run, totals, totals
+
+    def both():
+        variant.run()
+        variant.compute_totals()
+
+    return variant.run, variant.compute_totals, both
 
 
 def matvec_case(bench, k):
@@ -252,8 +267,9 @@ def matvec_case(bench, k):
     (a_local, a_global, x0, w), variants, first = matvec_variants(bench, k)
     errors = {name: bench.max(bench.dm.errors(v, a_global, x0, w, "batched", calls=3))
               for name, v in variants.items()}
-    calls = {"hand": (lambda: bench.mv.hand_written(a_local, w, x0, gradients=False),
-                      lambda: bench.mv.hand_written(a_local, w, x0))}
+    hand = (lambda: bench.mv.hand_written(a_local, w, x0, gradients=False),
+            lambda: bench.mv.hand_written(a_local, w, x0))
+    calls = {"hand": (*hand, hand[1])}
     calls.update({name: timed_calls(v) for name, v in variants.items()})
     return {"K": k, "median": bench.interleaved(calls), "first": first, "error": errors,
             "calls": {n: host_calls(v) for n, v in variants.items() if not isinstance(v, Jitted)}}
@@ -562,8 +578,8 @@ def matvec_tables(results, args):
     rows = []
     for p, r in results.items():
         for row in r["rows"]:
-            for which, entry in enumerate(("run", "compute_totals")):
-                m = {n: row["median"].get(n, [None, None])[which] for n in names}
+            for which, entry in enumerate(MATVEC_ENTRIES):
+                m = {n: row["median"].get(n, [None] * 3)[which] for n in names}
                 rows.append([p, str(row["K"]), entry, *(fmt(m[n], "ms") for n in names),
                              *(fmt(ratio(m[a], m[b]), "x") for a, b in pairs)])
     print_table(f"matvec, M={args.size}: per call (ms), max over ranks of the median of "

@@ -7,8 +7,9 @@ timeout), reads the one JSON line rank 0 prints, prints one table per section an
 writes every result to `--json` (default benchmarks/results.json). A failed or hung job
 is reported with its output and the suite goes on (and exits non-zero).
 
-Within a job every variant runs side by side, interleaved call by call, so all see the
-same machine state, and ratios are of medians of the same run. Per call (ms): the max
+Within a job every variant runs side by side, interleaved call by call (the variants in
+a new order each round, the same on every rank), so all see the same machine state, and
+ratios are of medians of the same run. Per call (ms): the max
 over ranks of each rank's median over `--repeat` calls. First call (s): Problem
 creation (or the first call of a jitted program) and the first `run`, then the first
 `compute_totals`: tracing and compiling included. `err`: the max relative error of the
@@ -158,15 +159,21 @@ class Bench:
         return made["problem"], first
 
     def interleaved(self, calls, repeat=None):
-        """Time `calls` (name -> tuple of functions), interleaved call by call.
+        """Time `calls` (name -> tuple of functions), interleaved call by call, each
+        round in its own order.
 
         **Returns:** name -> list of per-call times (s): the max over ranks of each
         rank's median over `repeat` (default `--repeat`) calls, one per function.
         """
         times = {name: [[] for _ in fns] for name, fns in calls.items()}
-        for _ in range(repeat or self.args.repeat):
-            for name, fns in calls.items():
-                for which, fn in enumerate(fns):
+        names = list(calls)
+        for r in range(repeat or self.args.repeat):
+            # a new order each round, the same on every rank (the calls communicate): no
+            # variant always runs first or after the same one, which warms or cools the
+            # caches it then finds
+            for i in np.random.default_rng(r).permutation(len(names)):
+                name = names[i]
+                for which, fn in enumerate(calls[name]):
                     self.comm.Barrier()
                     start = time.perf_counter()
                     fn()

@@ -280,8 +280,8 @@ class HostCall:
 
     def _call_some_rows(self, args, rows, comm, out):
         """The method on the batch rows `rows` only; zeros in the other rows. Writes
-        into `out` (XLA's buffers) when given; a batched method that takes `out=` gets
-        its part of them when the rows are contiguous."""
+        into `out` (XLA's buffers) when given; a batched method that takes `out=` then
+        gets its part of them when the rows are contiguous."""
         part = [a[rows] if lv[0] else a for a, lv in zip(args, self.levels)]
         contiguous = isinstance(rows, slice)
         count = rows.stop - rows.start if contiguous else len(rows)
@@ -291,7 +291,7 @@ class HostCall:
         if not count:
             found = [0] * len(results)
         elif self.batched:
-            if contiguous and self.takes_out:
+            if contiguous and out is not None and self.takes_out:
                 given = [full[rows] for full in results]
             found = self._call_batched(part, comm, given, batch_shape=(count,))
         else:

@@ -306,7 +306,7 @@ class Problem:
             if mode == "loop":
                 return lax.scan(lambda carry, seed: (carry, pullback(seed)), None, seeds)[1][0]
             n = next(iter(seeds.values())).shape[0]
-            rows = [pullback({k: v[i] for k, v in seeds.items()})[0] for i in range(n)]
+            rows = [pullback({k: _row(v, i) for k, v in seeds.items()})[0] for i in range(n)]
             return {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
 
         return totals
@@ -501,8 +501,8 @@ class Problem:
 
     def _trace(self, name, options, layout, specs, vectorize):
         """Trace an entry point's program, on the lean path if the backend says so and
-        the program allows it (its lean calls form one token chain), else with ordered
-        `io_callback`s.
+        the program allows it on every rank (its lean calls form one token chain), else
+        with ordered `io_callback`s.
 
         **Returns:** (function, outputs, the program before segments: its schedule, the
         lean calls as traced in chain order or None: see `_schedule.extract`)."""
@@ -514,36 +514,67 @@ class Problem:
                 # transformation (UnexpectedTracerError). Any genuine error of the model
                 # comes back from the io_callback trace below.
                 found = None
-            if found is not None and _ffi.chained(found[2]):
-                return (*self._rewritten(name, options, found, layout, specs),
+            chained = found is not None and _ffi.chained(found[2])
+            # One collective on every rank, whatever it found: the ranks take the lean
+            # path together or not at all, and rewrite it alike.
+            plan, every = self._agree(
+                f"{name}: agreeing on the lean path",
+                lambda: self._simplified(name, options, found, layout, specs) if chained
+                else None, share=lambda plan: None if plan is None else plan[1:3])
+            if all(m is not None for m in every):
+                return (*self._rewritten(name, found, layout, specs, plan, every),
                         _rewrite.lean_calls(found[2].jaxpr))
         return (*self._trace_with(name, options, layout, specs, vectorize, False), None)
 
-    def _rewritten(self, name, options, found, layout, specs):
-        """A traced lean program with its products with unit seeds and its forward calls
-        whose results nothing reads dropped, its neighbour calls fused (if `fuse`) and a
-        long chain cut into segments (see _rewrite.py); `found` itself if none applies. One agreement step on every rank,
-        whatever applies (so rank-dependent programs reach the schedule check in step).
+    def _simplified(self, name, options, found, layout, specs):
+        """This rank's simplification of a traced lean program: its products with unit
+        seeds dropped (see _rewrite.py), then its forward calls whose results nothing
+        reads here.
+
+        **Returns:** (the program with the products dropped, the chain positions of the
+        unused calls, where fusion may join calls after dropping them (None without
+        fusion), the program with both dropped)."""
+        closed = found[2]
+        if name == "compute_totals":
+            invars = closed.jaxpr.invars
+            seeds = invars[len(invars) - len(specs):]
+            units = {seeds[i] for i in self._unit_seeds(options[1], layout)}
+            closed = _rewrite.drop_identity_products(closed, units) or closed
+        unused = _rewrite.unused_calls(closed)
+        dropped = _rewrite.drop_unused_calls(closed, unused) or closed
+        return (closed, unused, _rewrite.fusion_joins(dropped) if self.fuse else None,
+                dropped)
+
+    def _rewritten(self, name, found, layout, specs, plan, every):
+        """A traced lean program simplified as every rank can (`plan`: this rank's
+        `_simplified`; `every`: each rank's unused calls and joins), its neighbour calls
+        fused (if `fuse`) and a long chain cut into segments (see _rewrite.py); `found`
+        itself if none applies. One agreement step on every rank, whatever applies (so
+        rank-dependent programs reach the schedule check in step).
 
         **Returns:** (function, outputs, the program before segments: its schedule)."""
+        closed, unused, joins, dropped = plan
+        if any(j is not None and len(j) != len(joins) for _, j in every):
+            joins = None  # different programs: the schedule check names the difference
+        if any(u != unused for u, _ in every):
+            # What a call's results feed depends on the rank's block sizes (JAX's
+            # derivative of `prod` over one row reads nothing): drop only the calls no
+            # rank reads, and fuse nothing.
+            allowed = set.intersection(*(set(u) for u, _ in every))
+            dropped, joins = _rewrite.drop_unused_calls(closed, allowed) or closed, None
+        elif joins is not None:
+            joins = tuple(map(all, zip(*(j for _, j in every))))
         return self._agree(f"{name}: rewriting the program",
-                           lambda: self._rewrite(name, options, found, layout, specs))
+                           lambda: self._rewrite(found, layout, specs, dropped, joins))
 
-    def _rewrite(self, name, options, found, layout, specs):
+    def _rewrite(self, found, layout, specs, closed, joins):
         from ._operator import host_call_p
 
-        closed = found[2]
-        seeds = closed.jaxpr.invars[len(closed.jaxpr.invars) - len(specs):]
-        units = self._unit_seeds(options[1], layout) if name == "compute_totals" else ()
-        steps = [lambda c: _rewrite.drop_identity_products(c, {seeds[i] for i in units}),
-                 _rewrite.drop_unused_calls]
-        if self.fuse:
-            steps.append(lambda c: _rewrite.fuse(c, host_call_p))
-        changed = False
-        for step in steps:
-            new = step(closed)
-            if new is not None:
-                closed, changed = new, True
+        changed = closed is not found[2]
+        if joins is not None:
+            fused = _rewrite.fuse(closed, host_call_p, joins)
+            if fused is not None:
+                closed, changed = fused, True
         if not _ffi.chained(closed):
             raise DistopError("the rewritten program is not one chain")
         run = _rewrite.segmented(closed)
@@ -607,22 +638,27 @@ class Problem:
                 cache[k] = (v, _device(v))
         return {k: cache[k][1] for k in point}
 
-    def _agree(self, what, thunk):
-        """Run `thunk` on every rank; if it raises on any rank, raise on every rank."""
+    def _agree(self, what, thunk, share=None):
+        """Run `thunk` on every rank; if it raises on any rank, raise on every rank.
+
+        **Returns:** its result; with `share` (a function of the result), also every
+        rank's `share(result)`, from the same collective."""
         try:
             result, error = thunk(), None
         except Exception as err:  # noqa: BLE001 - reported collectively below
             result, error = None, err
+        mine = (None if error is None else f"{type(error).__name__}: {error}",
+                share(result) if share is not None and error is None else None)
+        every = [mine]
         if self.comm.Get_size() > 1:
             with _safety.watchdog.watch(f"Problem: {what}"):
-                failed = self.comm.allgather(None if error is None
-                                             else f"{type(error).__name__}: {error}")
-            if any(failed) and error is None:
+                every = self.comm.allgather(mine)
+            if any(m for m, _ in every) and error is None:
                 raise DistopError(f"{what} failed on other ranks:\n" + "\n".join(
-                    f"  rank {r}: {m}" for r, m in enumerate(failed) if m))
+                    f"  rank {r}: {m}" for r, (m, _) in enumerate(every) if m))
         if error is not None:
             raise error
-        return result
+        return result if share is None else (result, [shared for _, shared in every])
 
     # -- names ----------------------------------------------------------------------
     def _names(self, method, arg, names, known, differentiable):
@@ -676,6 +712,14 @@ def _aligned_copy(array, align=64):
     out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
     out[...] = array
     return out
+
+
+def _row(seeds, i):
+    """Row `i` of a batch of seeds: an array even where the seeds are `float0` (the
+    cotangent of an integer output), which numpy would index to a scalar JAX refuses."""
+    if seeds.dtype == jax.dtypes.float0:
+        return np.zeros(seeds.shape[1:], seeds.dtype)
+    return seeds[i]
 
 
 def _seed_groups(layout):

@@ -118,13 +118,31 @@ def _lean(eqn):
     return getattr(eqn.params.get("call"), "lean", False)
 
 
-def fuse(closed_jaxpr, primitive):
+def fusion_joins(closed_jaxpr):
+    """**Returns:** per lean call in chain order, whether `fuse` would join it to the
+    call before it (see `_groups`); all False where `fuse` fuses nothing."""
+    jaxpr = closed_jaxpr.jaxpr
+    joins = [False] * sum(1 for eqn in jaxpr.eqns if _lean(eqn))
+    if not any(eqn.effects and not _lean(eqn) for eqn in jaxpr.eqns):
+        position = {i: p for p, i in enumerate(i for i, e in enumerate(jaxpr.eqns)
+                                               if _lean(e))}
+        for group in _groups(jaxpr)[0]:
+            for i in group[1:]:
+                joins[position[i]] = True
+    return tuple(joins)
+
+
+def fuse(closed_jaxpr, primitive, allowed=None):
     """Fuse runs of neighbours on a proven token chain (see `_groups`).
 
     **Arguments:**
     - `closed_jaxpr`: a traced program whose lean calls form one chain at top level (as
       checked by `_ffi.chained`).
     - `primitive`: the host-call primitive to bind for fused calls.
+    - `allowed`: per lean call in chain order, whether it may join the call before it
+      (None: wherever it can). What a call reads can depend on the rank's block sizes
+      (JAX's derivatives of some operations on one row or none read nothing), so
+      `Problem` lets a call join only where it can on every rank (`fusion_joins`).
 
     **Returns:** the rewritten `ClosedJaxpr`, or None if no two calls can be fused (or
     the program has other effects, whose order a reordering could change).
@@ -133,7 +151,7 @@ def fuse(closed_jaxpr, primitive):
     eqns = jaxpr.eqns
     if any(eqn.effects and not _lean(eqn) for eqn in eqns):
         return None
-    groups, uses = _groups(jaxpr)
+    groups, uses = _groups(jaxpr, allowed)
     if all(len(g) == 1 for g in groups):
         return None
     order = _topological(_nodes(jaxpr, groups, uses, primitive))
@@ -142,10 +160,11 @@ def fuse(closed_jaxpr, primitive):
     return ClosedJaxpr(new, closed_jaxpr.consts)
 
 
-def _groups(jaxpr):
+def _groups(jaxpr, allowed=None):
     """The chain's calls (equation indices), cut into runs that one host call can run:
     each call of a run reads only values computed before the run or results of the
-    calls before it in the run, as they are (no XLA operation in between)."""
+    calls before it in the run, as they are (no XLA operation in between), and joins
+    the run only where `allowed` (per chain position; None: everywhere) says it may."""
     uses = {}
     for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
         if isinstance(v, Var):
@@ -163,6 +182,7 @@ def _groups(jaxpr):
             bit = 1 << position
             position += 1
             joins = (groups and uses.get(previous_token, 0) == 1
+                     and (allowed is None or allowed[position - 1])
                      and all(v in made or not deps.get(v, 0) & mask for v in reads))
             if joins:
                 groups[-1].append(i)
@@ -245,44 +265,72 @@ def _topological(nodes):
 
 
 # -- calls whose results nothing reads --------------------------------------------------
-def drop_unused_calls(closed_jaxpr):
+def unused_calls(closed_jaxpr):
+    """**Returns:** the positions on the chain (the lean calls counted from 0) of the
+    forward calls whose results nothing reads (see `drop_unused_calls`)."""
+    return tuple(sorted(_unused(closed_jaxpr.jaxpr, None).values()))
+
+
+def drop_unused_calls(closed_jaxpr, allowed):
     """The program without the lean forward calls whose results nothing reads, and
-    without the operations that only fed them or only read their results.
+    without the operations that read their results (unused too).
 
     Only the token keeps such a call in the program: the same dead code elimination that
     XLA applies to any unused computation. In `compute_totals`, where the outputs'
     values are not returned, this drops every forward call that only they need (a
     reverse sweep reads the operators' inputs, not their outputs): one call and its
     collectives less per operator. Derivative calls always stay (every operator runs its
-    VJP, with zero cotangents where no output depends on it). Every rank must drop the
-    same calls: the schedule, agreed after this, lists the dropped ones as not made.
+    VJP, with zero cotangents where no output depends on it).
+
+    **Arguments:**
+    - `closed_jaxpr`: a traced program whose lean calls form one chain.
+    - `allowed`: the chain positions of the calls that may go: those no rank reads
+      (what a rank reads can depend on its block sizes: JAX's derivative of `prod` over
+      one row reads nothing), so that every rank drops the same calls. The schedule,
+      agreed after this, lists the dropped ones as not made.
 
     **Returns:** the rewritten `ClosedJaxpr`, or None if it drops nothing.
     """
     jaxpr = closed_jaxpr.jaxpr
-    live, keep, dropped = set(_vars(jaxpr.outvars)), [], set()
-    for i in reversed(range(len(jaxpr.eqns))):
-        eqn = jaxpr.eqns[i]
-        if (_lean(eqn) and eqn.params["call"].phase == "forward"
-                and not any(v in live for v in eqn.outvars[1:])):
-            dropped.add(i)
-            if eqn.outvars[0] in live:  # the token goes on, past the call
-                live.add(eqn.invars[0])
-        elif _lean(eqn) or eqn.effects or any(v in live for v in eqn.outvars):
-            keep.append(eqn)
-            live.update(_vars(eqn.invars))
+    dropped = _unused(jaxpr, set(allowed))
     if not dropped:
         return None
-    rename = {}
-    for i in sorted(dropped):
-        token_in, token_out = jaxpr.eqns[i].invars[0], jaxpr.eqns[i].outvars[0]
-        rename[token_out] = rename.get(token_in, token_in)
-    eqns = [eqn.replace(invars=[rename.get(v, v) if isinstance(v, Var) else v
-                                for v in eqn.invars]) for eqn in reversed(keep)]
+    # Everything else stays (XLA removes what is unused), but what reads a dropped
+    # call's results, which can only be unused as well.
+    rename, gone, eqns = {}, set(), []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in dropped:
+            rename[eqn.outvars[0]] = rename.get(eqn.invars[0], eqn.invars[0])
+            gone.update(eqn.outvars[1:])
+        elif any(v in gone for v in _vars(eqn.invars)):
+            gone.update(eqn.outvars)
+        else:
+            eqns.append(eqn.replace(invars=[rename.get(v, v) if isinstance(v, Var) else v
+                                            for v in eqn.invars]))
     outvars = [rename.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
     new = Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
                 jaxpr.debug_info)
     return ClosedJaxpr(new, closed_jaxpr.consts)
+
+
+def _unused(jaxpr, allowed):
+    """One backward pass over `jaxpr`: the forward calls at chain positions in
+    `allowed` (None: any) whose results nothing reads.
+
+    **Returns:** equation index -> chain position of every such call."""
+    positions = {i: p for p, i in enumerate(i for i, e in enumerate(jaxpr.eqns) if _lean(e))}
+    live, dropped = set(_vars(jaxpr.outvars)), {}
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        if (_lean(eqn) and eqn.params["call"].phase == "forward"
+                and (allowed is None or positions[i] in allowed)
+                and not any(v in live for v in eqn.outvars[1:])):
+            dropped[i] = positions[i]
+            if eqn.outvars[0] in live:  # the token goes on, past the call
+                live.add(eqn.invars[0])
+        elif _lean(eqn) or eqn.effects or any(v in live for v in eqn.outvars):
+            live.update(_vars(eqn.invars))
+    return dropped
 
 
 # -- products with unit seeds ----------------------------------------------------------

@@ -82,26 +82,37 @@ def extract(closed_jaxpr, traced=None):
 
     **Arguments:**
     - `closed_jaxpr`: the program, as from `jax.make_jaxpr` or `jit(...).trace(...).jaxpr`.
-    - `traced`: for a lean program rewritten after tracing (see _rewrite.py), its host
-      calls as traced, in chain order; the calls the rewrite left out are listed among
-      them with `made=False`. None: the calls in `closed_jaxpr`.
+    - `traced`: for a lean program rewritten after tracing (see _rewrite.py), its lean
+      calls as traced, in chain order: those the rewrite left out are listed too, with
+      `made=False`. None: only the calls in `closed_jaxpr`.
 
     **Returns:** a tuple of `ScheduleEntry`, in program order.
     """
     found = []  # (call, context, group)
     _walk(closed_jaxpr, "", found, [0])
     entries = [_entry(call, context, group) for call, context, group in found]
-    if traced is not None and len(traced) > len(found):
-        made = {id(call): entry for (call, _, _), entry in zip(found, entries)}
-        entries, following = [], len({group for _, _, group in found}) - 1
-        for call in reversed(traced):
-            entry = made.get(id(call))
-            if entry is None:
-                entry = dataclasses.replace(_entry(call, "", max(following, 0)), made=False)
-            following = entry.group
-            entries.append(entry)
-        entries.reverse()
+    if traced is not None:
+        entries = _with_unmade(found, entries, traced)
     return tuple(dataclasses.replace(e, index=i) for i, e in enumerate(entries))
+
+
+def _with_unmade(found, entries, traced):
+    """`entries` (of the calls `found` in the program) with the `traced` lean calls the
+    program does not make, in chain order, each before the next lean call made."""
+    position = {id(call): j for j, call in enumerate(traced)}
+    out, done = [], 0
+
+    def unmade(calls, group):
+        return [dataclasses.replace(_entry(call, "", group), made=False) for call in calls]
+
+    for (call, _, group), entry in zip(found, entries):
+        j = position.get(id(call))
+        if j is not None:  # the lean calls made come in chain order
+            out.extend(unmade(traced[done:j], group))
+            done = j + 1
+        out.append(entry)
+    out.extend(unmade(traced[done:], found[-1][2] if found else 0))
+    return out
 
 
 def _walk(jaxpr, context, found, calls):

@@ -204,6 +204,45 @@ def objective_using_an_operator_on_one_rank_only():
     check(problem)
 
 
+class Shift(distop.DistributedOperator):
+    """y = x + the sum of every rank's x: distributed blocks in and out."""
+
+    forward_collectives = vjp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        total = np.empty(())
+        comm.Allreduce(np.array(x.sum()), total, op=MPI.SUM)
+        return x + total
+
+    def vjp(self, comm, y_bar, x):
+        total = np.empty(())
+        comm.Allreduce(np.array(y_bar.sum()), total, op=MPI.SUM)
+        return y_bar + total
+
+
+@case
+def a_result_read_on_some_ranks_only_is_made_on_every_rank():
+    # JAX's reverse sweep of cumprod and where reads y on a block of several rows, not
+    # on one of one row or none: every rank must still make the forward call (and fuse
+    # its calls alike), or their collectives would not match.
+    shift = Shift()
+
+    def model(x):
+        y = shift(x)
+        return {"f": jnp.cumprod(y), "g": jnp.where(y > 0, y, 0.0)}
+
+    x = mine(np.linspace(-1.0, 2.0, N))
+    totals = {}
+    for backend in ("lean", "io_callback"):
+        problem = distop.Problem(model, {"x": x}, distributed={"x", "f", "g"},
+                                 backend=backend)
+        assert all(e.made for e in problem.schedule), problem.schedule
+        totals[backend] = problem.compute_totals()
+    for key, block in totals["lean"].items():
+        np.testing.assert_allclose(block, totals["io_callback"][key], rtol=1e-12, atol=0)
+    check(problem)
+
+
 class Counted(distop.DistributedOperator):
     """y = 2 x; counts the calls of each phase (batched methods)."""
 

@@ -56,6 +56,14 @@ def test_schedule_lists_forward_then_vjp(matvec):
     safe = distop.Problem(dm.build(a_local, w, "reverse"), {"x": x0}, backend="io_callback")
     assert [e.phase for e in safe.schedule] == ["forward", "vjp"]
     assert all(e.made for e in safe.schedule)
+    # an unordered operator beside it keeps its entries
+    loose = dm.DistributedMatvec(a_local, ordered=False)
+    mixed = distop.Problem(lambda x: {"f": jnp.sum(loose(x)), **dm.build(a_local, w,
+                                                                        "reverse")(x)},
+                           {"x": x0})
+    assert sorted((e.phase, e.lean, e.made) for e in mixed.schedule) == [
+        ("forward", False, True), ("forward", True, False), ("vjp", False, True),
+        ("vjp", True, True)], mixed.schedule
 
 
 def test_bad_names_and_inputs():
@@ -360,3 +368,13 @@ def test_a_vjp_on_rows_that_are_not_contiguous_leaves_zeros_between_them():
     np.testing.assert_array_equal(J["b", "x"], np.full((1, 4), 2.0))
     np.testing.assert_array_equal(J["c", "x"], np.full((1, 4), 6.0))
     assert seen == [((2, 4), (1, 4))], seen
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_an_integer_output_is_left_out_of_the_totals_in_every_mode(backend):
+    problem = distop.Problem(lambda x: {"f": jnp.sum(x ** 2), "n": jnp.argmax(x)},
+                             {"x": np.array([1.0, 2.0])}, backend=backend)
+    for mode in distop._problem.MODES:
+        J = problem.compute_totals(mode=mode)
+        assert list(J) == [("f", "x")], (mode, J)
+        np.testing.assert_array_equal(J["f", "x"], [[2.0, 4.0]])

@@ -152,7 +152,9 @@ class Problem:
         self._warned_loop = False
         self._token = jnp.zeros((), np.float64)
         self._calls = 0  # the token's value: lean host calls run so far
-        layout = self._layout(self._point, ("Problem",))
+        # (the options that shape the programs are part of the first request)
+        layout = self._layout(self._point, ("Problem", f"backend={self.backend}",
+                                            f"fuse={self.fuse}"))
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
         if unknown:
@@ -531,38 +533,43 @@ class Problem:
         seeds dropped (see _rewrite.py), then its forward calls whose results nothing
         reads here.
 
-        **Returns:** (the program with the products dropped, the chain positions of the
-        unused calls, where fusion may join calls after dropping them (None without
-        fusion), the program with both dropped)."""
+        **Returns:** (the program with the products dropped, then `_drops` of it)."""
         closed = found[2]
         if name == "compute_totals":
             invars = closed.jaxpr.invars
             seeds = invars[len(invars) - len(specs):]
             units = {seeds[i] for i in self._unit_seeds(options[1], layout)}
             closed = _rewrite.drop_identity_products(closed, units) or closed
-        unused = _rewrite.unused_calls(closed)
+        return (closed, *self._drops(closed))
+
+    def _drops(self, closed, allowed=None):
+        """**Returns:** (the chain positions of the forward calls of `closed` that nothing
+        reads here, among `allowed` (None: all), where fusion may join calls once they
+        are dropped (None without fusion), the program without them)."""
+        unused = _rewrite.unused_calls(closed, allowed)
         dropped = _rewrite.drop_unused_calls(closed, unused) or closed
-        return (closed, unused, _rewrite.fusion_joins(dropped) if self.fuse else None,
-                dropped)
+        return unused, _rewrite.fusion_joins(dropped) if self.fuse else None, dropped
 
     def _rewritten(self, name, found, layout, specs, plan, every):
-        """A traced lean program simplified as every rank can (`plan`: this rank's
+        """A traced lean program simplified alike on every rank (`plan`: this rank's
         `_simplified`; `every`: each rank's unused calls and joins), its neighbour calls
         fused (if `fuse`) and a long chain cut into segments (see _rewrite.py); `found`
         itself if none applies. One agreement step on every rank, whatever applies (so
         rank-dependent programs reach the schedule check in step).
 
         **Returns:** (function, outputs, the program before segments: its schedule)."""
-        closed, unused, joins, dropped = plan
-        if any(j is not None and len(j) != len(joins) for _, j in every):
-            joins = None  # different programs: the schedule check names the difference
-        if any(u != unused for u, _ in every):
-            # What a call's results feed depends on the rank's block sizes (JAX's
-            # derivative of `prod` over one row reads nothing): drop only the calls no
-            # rank reads, and fuse nothing.
+        closed, _, joins, dropped = plan
+        while len({u for u, _ in every}) > 1:
+            # What a call's results feed can depend on the rank's block sizes (JAX's
+            # derivative of `prod` over one row reads nothing): keep every call some
+            # rank reads, and again what the calls kept read, until the ranks agree.
             allowed = set.intersection(*(set(u) for u, _ in every))
-            dropped, joins = _rewrite.drop_unused_calls(closed, allowed) or closed, None
-        elif joins is not None:
+            (_, joins, dropped), every = self._agree(
+                f"{name}: agreeing on the calls to drop",
+                lambda allowed=allowed: self._drops(closed, allowed), share=lambda d: d[:2])
+        if any(j is None or len(j) != len(joins) for _, j in every):
+            joins = None  # no fusion, or different programs (the schedule check tells)
+        else:
             joins = tuple(map(all, zip(*(j for _, j in every))))
         return self._agree(f"{name}: rewriting the program",
                            lambda: self._rewrite(found, layout, specs, dropped, joins))
@@ -645,10 +652,10 @@ class Problem:
         rank's `share(result)`, from the same collective."""
         try:
             result, error = thunk(), None
+            shared = share(result) if share is not None else None
         except Exception as err:  # noqa: BLE001 - reported collectively below
-            result, error = None, err
-        mine = (None if error is None else f"{type(error).__name__}: {error}",
-                share(result) if share is not None and error is None else None)
+            result, shared, error = None, None, err
+        mine = (None if error is None else f"{type(error).__name__}: {error}", shared)
         every = [mine]
         if self.comm.Get_size() > 1:
             with _safety.watchdog.watch(f"Problem: {what}"):

@@ -265,10 +265,11 @@ def _topological(nodes):
 
 
 # -- calls whose results nothing reads --------------------------------------------------
-def unused_calls(closed_jaxpr):
+def unused_calls(closed_jaxpr, allowed=None):
     """**Returns:** the positions on the chain (the lean calls counted from 0) of the
-    forward calls whose results nothing reads (see `drop_unused_calls`)."""
-    return tuple(sorted(_unused(closed_jaxpr.jaxpr, None).values()))
+    forward calls whose results nothing reads once they are dropped (see
+    `drop_unused_calls`), among `allowed` (None: all)."""
+    return tuple(sorted(_unused(closed_jaxpr.jaxpr, allowed).values()))
 
 
 def drop_unused_calls(closed_jaxpr, allowed):

@@ -415,6 +415,17 @@ def a_result_read_on_one_rank_only_is_made_on_every_rank():
 
 
 @case("core")
+def options_differing_between_ranks_raise_everywhere():
+    for options in ({"fuse": rank == 0}, {"backend": "lean" if rank == 0 else "io_callback"}):
+        try:
+            distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": np.ones(3)}, **options)
+        except distop.DistopError as err:
+            assert "different arguments" in str(err) and "rank 1: ('Problem'" in str(err), err
+        else:
+            raise AssertionError(f"no error for {options}")
+
+
+@case("core")
 def shapes_changing_on_one_rank_raise_everywhere():
     a_local, _, x0, _ = dm.setup(8, 1, comm)
     problem = distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x0})

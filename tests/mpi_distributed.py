@@ -243,6 +243,33 @@ def a_result_read_on_some_ranks_only_is_made_on_every_rank():
         np.testing.assert_allclose(block, totals["io_callback"][key], rtol=1e-12, atol=0)
 
 
+@case
+def calls_kept_for_other_ranks_keep_what_they_read():
+    # Y's result feeds X only on ranks with rows; X's result is read only on ranks
+    # without: a rank with rows could drop both, one without only Y, but X stays (some
+    # rank reads it), so Y stays too. The ranks agree after a second round. (No vjp:
+    # the reverse sweeps would differ between the ranks; the run program does not.)
+    class Forward(distop.DistributedOperator):
+        forward_collectives = ("Allreduce",)
+        forward = Shift.forward
+
+    y_op, x_op = Forward(), Forward()
+
+    def model(x):
+        rows = x.shape[0] > 0
+        y = y_op(x)
+        z = x_op(y if rows else x)
+        return {"g": 2 * x if rows else z}
+
+    x = mine(np.arange(float(N)))
+    problem = distop.Problem(model, {"x": x}, distributed={"x", "g"})
+    # (in one process, or where every rank has rows, nothing reads either result)
+    made = 0 in COUNTS
+    assert [e.made for e in problem.schedule if e.phase == "forward"] == [made, made], (
+        problem.schedule)
+    np.testing.assert_array_equal(problem.run()["g"], 2 * x if len(x) else x)
+
+
 class Counted(distop.DistributedOperator):
     """y = 2 x; counts the calls of each phase (batched methods)."""
 

@@ -214,9 +214,8 @@ class HostCall:
         kwargs = self.kwargs
         if self.takes_out:
             kwargs = {**kwargs, "out": self._user_out(out) if out else None}
-        if self.phase == "forward":
-            return self.function(self.op, comm, *args, **kwargs)
-        if self.n_slots == self.n_linear == 1:  # one (co)tangent, passed as itself
+        if self.phase == "forward" or self.n_slots == self.n_linear == 1:
+            # the inputs, or one (co)tangent (passed as itself) and the inputs
             return self.function(self.op, comm, *args, **kwargs)
         linear = [None] * self.n_slots
         for slot, a in zip(self.slots, args):

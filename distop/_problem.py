@@ -546,8 +546,7 @@ class Problem:
         """**Returns:** (the chain positions of the forward calls of `closed` that nothing
         reads here, among `allowed` (None: all), where fusion may join calls once they
         are dropped (None without fusion), the program without them)."""
-        unused = _rewrite.unused_calls(closed, allowed)
-        dropped = _rewrite.drop_unused_calls(closed, unused) or closed
+        dropped, unused = _rewrite.drop_unused_calls(closed, allowed)
         return unused, _rewrite.fusion_joins(dropped) if self.fuse else None, dropped
 
     def _rewritten(self, name, found, layout, specs, plan, every):

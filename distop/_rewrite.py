@@ -118,14 +118,24 @@ def _lean(eqn):
     return getattr(eqn.params.get("call"), "lean", False)
 
 
+def _positions(jaxpr):
+    """**Returns:** equation index -> chain position (counted from 0) of the lean calls."""
+    return {i: p for p, i in enumerate(i for i, e in enumerate(jaxpr.eqns) if _lean(e))}
+
+
+def _other_effects(jaxpr):
+    """Whether `jaxpr` has effects besides its lean calls, whose order a reordering of
+    the program could change (then nothing is fused)."""
+    return any(eqn.effects and not _lean(eqn) for eqn in jaxpr.eqns)
+
+
 def fusion_joins(closed_jaxpr):
     """**Returns:** per lean call in chain order, whether `fuse` would join it to the
     call before it (see `_groups`); all False where `fuse` fuses nothing."""
     jaxpr = closed_jaxpr.jaxpr
-    joins = [False] * sum(1 for eqn in jaxpr.eqns if _lean(eqn))
-    if not any(eqn.effects and not _lean(eqn) for eqn in jaxpr.eqns):
-        position = {i: p for p, i in enumerate(i for i, e in enumerate(jaxpr.eqns)
-                                               if _lean(e))}
+    position = _positions(jaxpr)
+    joins = [False] * len(position)
+    if not _other_effects(jaxpr):
         for group in _groups(jaxpr)[0]:
             for i in group[1:]:
                 joins[position[i]] = True
@@ -148,8 +158,7 @@ def fuse(closed_jaxpr, primitive, allowed=None):
     the program has other effects, whose order a reordering could change).
     """
     jaxpr = closed_jaxpr.jaxpr
-    eqns = jaxpr.eqns
-    if any(eqn.effects and not _lean(eqn) for eqn in eqns):
+    if _other_effects(jaxpr):
         return None
     groups, uses = _groups(jaxpr, allowed)
     if all(len(g) == 1 for g in groups):
@@ -265,14 +274,7 @@ def _topological(nodes):
 
 
 # -- calls whose results nothing reads --------------------------------------------------
-def unused_calls(closed_jaxpr, allowed=None):
-    """**Returns:** the positions on the chain (the lean calls counted from 0) of the
-    forward calls whose results nothing reads once they are dropped (see
-    `drop_unused_calls`), among `allowed` (None: all)."""
-    return tuple(sorted(_unused(closed_jaxpr.jaxpr, allowed).values()))
-
-
-def drop_unused_calls(closed_jaxpr, allowed):
+def drop_unused_calls(closed_jaxpr, allowed=None):
     """The program without the lean forward calls whose results nothing reads, and
     without the operations that read their results (unused too).
 
@@ -285,17 +287,19 @@ def drop_unused_calls(closed_jaxpr, allowed):
 
     **Arguments:**
     - `closed_jaxpr`: a traced program whose lean calls form one chain.
-    - `allowed`: the chain positions of the calls that may go: those no rank reads
-      (what a rank reads can depend on its block sizes: JAX's derivative of `prod` over
-      one row reads nothing), so that every rank drops the same calls. The schedule,
-      agreed after this, lists the dropped ones as not made.
+    - `allowed`: the chain positions (the lean calls counted from 0) of the calls that
+      may go (None: any). `Problem` allows only those no rank reads (what a rank reads
+      can depend on its block sizes: JAX's derivative of `prod` over one row reads
+      nothing), so that every rank drops the same calls. The schedule, agreed after
+      this, lists the dropped ones as not made.
 
-    **Returns:** the rewritten `ClosedJaxpr`, or None if it drops nothing.
+    **Returns:** (the rewritten `ClosedJaxpr`, or `closed_jaxpr` itself if it drops
+    nothing; the chain positions of the dropped calls).
     """
     jaxpr = closed_jaxpr.jaxpr
-    dropped = _unused(jaxpr, set(allowed))
+    dropped = _unused(jaxpr, allowed)
     if not dropped:
-        return None
+        return closed_jaxpr, ()
     # Everything else stays (XLA removes what is unused), but what reads a dropped
     # call's results, which can only be unused as well.
     rename, gone, eqns = {}, set(), []
@@ -311,7 +315,7 @@ def drop_unused_calls(closed_jaxpr, allowed):
     outvars = [rename.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
     new = Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
                 jaxpr.debug_info)
-    return ClosedJaxpr(new, closed_jaxpr.consts)
+    return ClosedJaxpr(new, closed_jaxpr.consts), tuple(sorted(dropped.values()))
 
 
 def _unused(jaxpr, allowed):
@@ -319,7 +323,7 @@ def _unused(jaxpr, allowed):
     `allowed` (None: any) whose results nothing reads.
 
     **Returns:** equation index -> chain position of every such call."""
-    positions = {i: p for p, i in enumerate(i for i, e in enumerate(jaxpr.eqns) if _lean(e))}
+    positions = _positions(jaxpr)
     live, dropped = set(_vars(jaxpr.outvars)), {}
     for i in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[i]

@@ -105,16 +105,20 @@ def _plan(addresses):
     return plan
 
 
-def _arrays(values, plan):
+def _arrays(values, plan, writeable):
     """numpy views of XLA's buffers (valid only during the call); shapes and dtypes are
-    fixed per call site, so only the data pointers are read each time."""
+    fixed per call site, so only the data pointers are read each time. The arguments'
+    views are read-only, as JAX's own callbacks pass them: XLA may pass a program
+    input or a constant of the program, which a method must not change."""
     out = []
     for i, (dtype, shape, raw) in enumerate(plan):
         if raw is None:
             out.append(np.zeros(shape, dtype))
             continue
         data = C.c_void_p.from_address(values[i] + _DATA).value
-        out.append(np.frombuffer(raw.from_address(data), dtype).reshape(shape))
+        view = np.frombuffer(raw.from_address(data), dtype).reshape(shape)
+        view.flags.writeable = writeable
+        out.append(view)
     return out
 
 
@@ -139,8 +143,8 @@ def _handler(frame_pointer):
             plans = _plans[call_id] = (
                 _plan([arg_values[i] for i in range(frame.args.size)]),
                 _plan([ret_values[i] for i in range(frame.rets.size)]))
-        args = _arrays(arg_values, plans[0])
-        rets = _arrays(ret_values, plans[1])
+        args = _arrays(arg_values, plans[0], False)
+        rets = _arrays(ret_values, plans[1], True)
         results = call(*args[1:], out=rets[1:])
         rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):

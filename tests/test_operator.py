@@ -172,6 +172,23 @@ def test_user_exception_names_operator_and_phase():
         jax.jit(Boom())(X).block_until_ready()
 
 
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_methods_get_read_only_arguments(backend):
+    class InPlace(distop.DistributedOperator):
+        def forward(self, comm, x):
+            x *= 2.0  # would change a program input or constant in place
+            return x
+
+    x0 = np.ones(3)
+    problem = distop.Problem(lambda x: {"y": InPlace()(x)}, {"x": x0}, backend=backend)
+    with pytest.raises(distop.OperatorError,
+                       match=r"InPlace.forward on rank 0: raised ValueError: .*read-only"):
+        problem.run()
+    # neither the caller's array nor distop's copy of it changed
+    np.testing.assert_array_equal(x0, 1.0)
+    np.testing.assert_array_equal(problem._point["x"], 1.0)
+
+
 class SinWithJvp(Sin):
     batched_jvp = True
 

@@ -290,6 +290,72 @@ def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
     assert all(e.invars[0].aval.shape == (5, 8) for e in products)
 
 
+def test_values_known_before_the_program_runs_are_computed_once_exactly():
+    from jax.extend.core import jaxpr_as_fun
+
+    from distop import _rewrite
+
+    w = np.arange(12.0).reshape(3, 4) - 5
+
+    def f(unit, x):
+        cts = sum(jnp.pad(unit[:, i:i + 1], ((0, 0), (i, 2 - i))) for i in range(3))
+        seeded = cts[:, :, None] * w[None]  # reads the known input and a constant
+        big = jnp.broadcast_to(cts[:, :, None], (3, 3, 100))  # over the limit
+        return seeded * x, big.sum() * x, w * 2.0
+
+    unit, x = np.eye(3), np.linspace(1.0, 2.0, 4)
+    closed = jax.make_jaxpr(f)(unit, x)
+    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]: unit}, limit=200)
+    names = [e.primitive.name for e in folded.jaxpr.eqns]
+    assert "pad" not in names and "slice" not in names and len(names) < len(closed.eqns)
+    assert "broadcast_in_dim" in names  # `big`: computed by the program
+    for a, b in zip(jaxpr_as_fun(folded)(unit, x), jaxpr_as_fun(closed)(unit, x)):
+        np.testing.assert_array_equal(a, b)
+    assert _rewrite.fold_known(closed, {}) is None
+    assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]: unit}, budget=8) is None
+
+
+def test_operator_calls_are_never_computed_ahead_even_on_known_values():
+    calls = []
+
+    class Counted(distop.DistributedOperator):
+        def forward(self, comm, x):
+            calls.append("forward")
+            return 2.0 * x
+
+        def vjp(self, comm, y_bar, x):
+            calls.append("vjp")
+            return 2.0 * y_bar
+
+    c = np.linspace(1.0, 2.0, 3)
+    ops = [Counted(ordered=ordered) for ordered in (True, False)]
+    problem = distop.Problem(lambda x: {f"f{i}": x * op(c) for i, op in enumerate(ops)},
+                             {"x": np.ones(3)})
+    before = len(calls)
+    for _ in range(3):
+        J = problem.compute_totals()
+        np.testing.assert_array_equal(J["f1", "x"], np.diag(2.0 * c))
+    # each operator's forward once per call (its value is the derivative), no vjp
+    assert calls[before:] == ["forward"] * 6
+
+
+def test_a_reverse_sweep_from_several_outputs_of_one_vector_is_folded(matvec):
+    a_local, _, x0, w = matvec
+    model = dm.build(a_local, w, "forward")
+    lean = distop.Problem(model, {"x": x0})
+    J = lean.compute_totals()
+    reference = distop.Problem(model, {"x": x0}, backend="io_callback").compute_totals()
+    for key in reference:
+        np.testing.assert_allclose(J[key], reference[key], rtol=1e-14)
+    program = next(p for k, p in lean._programs.items() if k[0] == "compute_totals")
+    spec = {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}
+    seeds = lean._seeds(lean.output_names, next(iter(lean._layouts.values())), True)
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), spec, *seeds).jaxpr
+    # the seeds' split into the outputs' cotangents, and their way back through the
+    # model's last steps, are constants of the program
+    assert not {"pad", "mul", "slice"} & {e.primitive.name for e in jaxpr.eqns}
+
+
 _INLINE_SCRIPT = """
 import threading
 import jax

@@ -114,6 +114,7 @@ class HostCall:
         self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
         self.where = f"{cls.__name__}.{phase}"
+        self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self.checker = None
         if (_safety.settings.check_collectives and comm is not None
@@ -173,7 +174,7 @@ class HostCall:
 
         **Returns:** the checked results (possibly `out`'s arrays themselves).
         """
-        with _safety.watchdog.watch(self.where):
+        with self._watch:
             try:
                 comm = self.comm
                 if self.checker is not None:
@@ -297,8 +298,10 @@ class HostCall:
             found = self._call_rows(part, comm, (count,))
         for full, some in zip(results, found):
             if contiguous and count:
-                full[:rows.start] = 0
-                full[rows.stop:] = 0
+                if rows.start:
+                    full[:rows.start] = 0
+                if rows.stop < len(full):
+                    full[rows.stop:] = 0
             else:
                 full[...] = 0
             if count:
@@ -321,7 +324,8 @@ class HostCall:
         full = []
         for a, lv, kind, shape in zip(args, self.levels, self._arg_kinds, self._arg_shapes):
             if kind == "full":
-                a = a.reshape((n,) + shape)
+                if len(batch_shape) > 1:
+                    a = a.reshape((n,) + shape)
             elif kind == "expand":
                 a = a.reshape((1,) + shape)
             else:
@@ -329,7 +333,7 @@ class HostCall:
                                           + shape)
                 a = np.broadcast_to(a, batch_shape + shape).reshape((n,) + shape)
             full.append(a)
-        if out:
+        if out and len(batch_shape) > 1:
             out = [o.reshape((n,) + s.shape) for o, s in zip(out, self.result_specs)]
         results = self._check(self._invoke(full, comm, out), (n,))
         if len(batch_shape) == 1:

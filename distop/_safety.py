@@ -77,31 +77,33 @@ class Watchdog:
     def note(self, where):
         """Update this thread's description (e.g. the collective it is about to issue)."""
         key = threading.get_ident()
-        with self._lock:
-            if key in self._active:
-                self._active[key] = (where, self._active[key][1])
+        found = self._active.get(key)
+        if found is not None:
+            self._active[key] = (where, found[1])
 
+    # Entering and leaving run on every host call: a dict entry of this thread's own,
+    # set and removed without a lock (each a single operation under the GIL, as is the
+    # watchdog thread's copy of the values).
     def _enter(self, where):
         if settings.watchdog <= 0:
             return
-        with self._lock:
-            self._active[threading.get_ident()] = (where, time.monotonic())
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="distop-watchdog",
-                                                daemon=True)
-                self._thread.start()
+        self._active[threading.get_ident()] = (where, time.monotonic())
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run,
+                                                    name="distop-watchdog", daemon=True)
+                    self._thread.start()
 
     def _leave(self):
-        with self._lock:
-            self._active.pop(threading.get_ident(), None)
+        self._active.pop(threading.get_ident(), None)
 
     def _run(self):
         while True:
             time.sleep(max(0.05, min(1.0, settings.watchdog / 20)))
             now = time.monotonic()
-            with self._lock:
-                stuck = [(w, now - t) for w, t in self._active.values()
-                         if settings.watchdog > 0 and now - t > settings.watchdog]
+            stuck = [(w, now - t) for w, t in list(self._active.values())
+                     if settings.watchdog > 0 and now - t > settings.watchdog]
             if stuck:
                 self._abort(stuck)
 

@@ -145,13 +145,12 @@ class HostCall:
         - `linear_levels`: the batch levels of the new call's (co)tangent arguments;
           default: every level.
         """
-        inputs = self.levels[self.n_linear:]
-        call = HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
-                        self.out_specs, batch_shape=self.batch_shape, lean=self.lean)
         if linear_levels is None:
-            linear_levels = [(True,) * len(self.batch_shape)] * call.n_linear
-        call.levels = tuple(linear_levels) + tuple(inputs)
-        return call
+            specs = self.in_specs if phase == "jvp" else self.out_specs
+            linear_levels = [(True,) * len(self.batch_shape)] * sum(map(_inexact, specs))
+        return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
+                        self.batch_shape, lean=self.lean)
 
     def with_batch(self, in_batched, size):
         """**Returns:** this call one batch level deeper (a new outermost batch axis of

@@ -22,8 +22,8 @@ token, which the count of calls checked after every run would catch.
 
 import heapq
 import itertools
+import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -409,7 +409,8 @@ def _identity_product(eqn, identities):
 
 # -- values known before the program runs ----------------------------------------------
 FOLD_LIMIT = 1 << 18  # elements: the largest value computed ahead of the program
-FOLD_BUDGET = 1 << 20  # elements: all of them together
+FOLD_BUDGET = 1 << 22  # elements (32 MiB of float64): all of them together; the
+# matvec's forward variant unrolled at K=64 needs 1.6e6 (its 4096 cotangents of 400)
 
 
 def fold_known(closed_jaxpr, known, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
@@ -419,59 +420,140 @@ def fold_known(closed_jaxpr, known, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     them into the outputs' cotangents and sending each back through the model's last
     steps (the slices and pads of `f[i]`, products with constant weights). XLA cannot
     fold them, the seeds being arguments, and on CPU runs each as a small loop of its
-    own, every call (the forward variant of the matvec, K=16: 32 such loops, a third of
-    its time). The seeds are known when the program is built: every operation that
-    reads only them, constants and literals is evaluated once here (one jitted
-    function, so the same arithmetic as in the program), and what the rest of the
-    program reads of it becomes constants.
+    own, every call (the forward variant of the matvec, K=16: 33 such loops, a quarter
+    of its time), and compiles each (most of an unrolled program's compile time). The seeds
+    are known when the program is built: every operation that reads them (and else only
+    constants and literals) and that numpy computes exactly as XLA does (moves of data
+    and elementwise IEEE arithmetic: `_NUMPY`) is evaluated here, and the values the
+    rest of the program reads become its constants.
 
     **Arguments:**
     - `closed_jaxpr`: the traced program.
     - `known`: input variable -> its value, fixed for every run.
     - `limit`: the most elements an operation may produce to be evaluated here.
-    - `budget`: the most elements of results the program may receive as constants;
-      with more, nothing is folded.
+    - `budget`: the most elements of values the program may receive as constants; with
+      more, nothing is folded.
 
-    **Returns:** the rewritten `ClosedJaxpr`, or None if nothing reads only known values.
+    **Returns:** (the rewritten `ClosedJaxpr`, its new constants that are identity
+    matrices), or None if nothing reads only known values.
     """
     jaxpr = closed_jaxpr.jaxpr
     if not known:
         return None
-    ready = set(known) | set(jaxpr.constvars)
-    seeded = set(known)  # values that depend on a known input (not only on constants)
-    evaluated, kept = [], []
+    env = dict(known)  # every value computed here
+    env.update((v, np.asarray(c)) for v, c in zip(jaxpr.constvars, closed_jaxpr.consts))
+    seeded, kept = set(known), []  # seeded: values that depend on a known input
     for eqn in jaxpr.eqns:
-        if (_pure(eqn) and all(isinstance(v, Literal) or v in ready for v in eqn.invars)
-                and sum(np.prod(v.aval.shape, dtype=int) for v in eqn.outvars) <= limit):
-            evaluated.append(eqn)
-            ready.update(eqn.outvars)
+        found = None
+        if (all(isinstance(v, Literal) or v in env for v in eqn.invars)
+                and sum(math.prod(v.aval.shape) for v in eqn.outvars) <= limit):
+            found = _evaluate(eqn, [_value(env, v) for v in eqn.invars])
+        if found is not None:
+            env.update(zip(eqn.outvars, found))
             if any(v in seeded for v in _vars(eqn.invars)):
                 seeded.update(eqn.outvars)
                 continue  # computed here only
-        kept.append(eqn)  # (including what reads constants only: XLA folds that itself)
+        kept.append(eqn)  # (also what reads constants only: XLA folds that itself)
     read = set(_vars(jaxpr.outvars)).union(*(_vars(e.invars) for e in kept))
-    results = [v for e in evaluated for v in e.outvars if v in seeded and v in read]
-    if not results or sum(np.prod(v.aval.shape, dtype=int) for v in results) > budget:
+    results = [v for v in env if v in seeded and v in read and v not in known]
+    if not results or sum(math.prod(v.aval.shape) for v in results) > budget:
         return None
-    inputs = [*known, *jaxpr.constvars]
-    values = [*known.values(), *closed_jaxpr.consts]
-    info = DebugInfo("distop known values", None, ("",) * len(inputs), ("",) * len(results))
-    ahead = jax.jit(jaxpr_as_fun(ClosedJaxpr(
-        Jaxpr([], inputs, results, evaluated, debug_info=info), [])))
-    found = [np.asarray(r) for r in ahead(*values)]
+    values = [np.asarray(env[v], order="C") for v in results]  # (0-d stays 0-d)
     new = Jaxpr([*jaxpr.constvars, *results], jaxpr.invars, jaxpr.outvars, kept,
                 jaxpr.effects, jaxpr.debug_info)
-    return ClosedJaxpr(new, [*closed_jaxpr.consts, *found])
+    identities = {v for v, value in zip(results, values) if value.ndim == 2
+                  and value.shape[0] == value.shape[1]
+                  and np.array_equal(value, np.eye(len(value), dtype=value.dtype))}
+    return ClosedJaxpr(new, [*closed_jaxpr.consts, *values]), identities
 
 
-def _pure(eqn):
-    """Whether `eqn` may be evaluated ahead of the program: no effect, no host call
-    (ordered or not: user code runs only in the program) and no inner program."""
-    return not eqn.effects and not any(
-        name in ("call", "callback") or hasattr(value, "eqns") or hasattr(value, "jaxpr")
-        or (isinstance(value, (tuple, list))
-            and any(hasattr(v, "eqns") or hasattr(v, "jaxpr") for v in value))
-        for name, value in eqn.params.items())
+def _evaluate(eqn, values):
+    """**Returns:** the results of `eqn` on `values`, computed by numpy, or None where
+    `_NUMPY` has no rule for it (or for an equation of the inner program of a `jit`) or
+    its results would not be XLA's (shape, dtype)."""
+    if eqn.effects:
+        return None
+    if eqn.primitive.name in ("jit", "pjit"):  # jax.numpy's functions, among others
+        found = _evaluate_all(eqn.params["jaxpr"], values)
+    else:
+        rule = _NUMPY.get(eqn.primitive.name)
+        found = None if rule is None else rule(*values, **eqn.params)
+    if found is None:
+        return None
+    found = list(found) if eqn.primitive.multiple_results else [found]
+    if len(found) != len(eqn.outvars) or any(
+            np.shape(r) != v.aval.shape or np.result_type(r) != v.aval.dtype
+            for r, v in zip(found, eqn.outvars)):
+        return None
+    return [np.asarray(r) for r in found]
+
+
+def _evaluate_all(closed_jaxpr, values):
+    """**Returns:** the results of an inner program on `values` (numpy), or None."""
+    env = {v: np.asarray(c) for v, c in zip(closed_jaxpr.jaxpr.constvars, closed_jaxpr.consts)}
+    env.update(zip(closed_jaxpr.jaxpr.invars, values))
+
+    for eqn in closed_jaxpr.jaxpr.eqns:
+        found = _evaluate(eqn, [_value(env, v) for v in eqn.invars])
+        if found is None:
+            return None
+        env.update(zip(eqn.outvars, found))
+    return [_value(env, v) for v in closed_jaxpr.jaxpr.outvars]
+
+
+def _value(env, atom):
+    """The value of a variable in `env`, or of a literal."""
+    return np.asarray(atom.val, atom.aval.dtype) if isinstance(atom, Literal) else env[atom]
+
+
+def _pad(x, value, padding_config):
+    inner = [max(n + (n - 1) * i, 0) for n, (_, _, i) in zip(x.shape, padding_config)]
+    shape = [m + max(lo, 0) + max(hi, 0) for m, (lo, hi, _) in zip(inner, padding_config)]
+    out = np.full(shape, value, x.dtype)
+    out[tuple(slice(max(lo, 0), max(lo, 0) + m, i + 1)
+              for m, (lo, _, i) in zip(inner, padding_config))] = x
+    return out[tuple(slice(-min(lo, 0), n + min(hi, 0))
+                     for n, (lo, hi, _) in zip(shape, padding_config))]
+
+
+def _broadcast(x, shape, broadcast_dimensions, **_):
+    axes = [1] * len(shape)
+    for size, d in zip(x.shape, broadcast_dimensions):
+        axes[d] = size
+    return np.broadcast_to(x.reshape(axes), shape)
+
+
+def _floating(*dtypes):
+    return all(np.issubdtype(d, np.floating) for d in dtypes)
+
+
+# The operations `fold_known` evaluates: each gives in numpy the very values XLA gives
+# (data moved, or one correctly rounded IEEE operation per element).
+_NUMPY = {
+    "slice": lambda x, start_indices, limit_indices, strides=None, **_: x[tuple(
+        slice(a, b, c) for a, b, c in zip(start_indices, limit_indices,
+                                          strides or (None,) * x.ndim))],
+    "reshape": lambda x, new_sizes, dimensions=None, **_:
+        x.reshape(new_sizes) if dimensions is None else None,
+    "broadcast_in_dim": _broadcast,
+    "squeeze": lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions)),
+    "transpose": lambda x, permutation, **_: np.transpose(x, permutation),
+    "concatenate": lambda *xs, dimension, **_: np.concatenate(xs, dimension),
+    "pad": lambda x, value, padding_config, **_: _pad(x, value, padding_config),
+    "unstack": lambda x, axis, **_: list(np.moveaxis(x, axis, 0)),
+    "split": lambda x, sizes, axis, **_: np.split(x, np.cumsum(sizes)[:-1], axis),
+    "select_n": lambda which, *cases: np.where(which, cases[1], cases[0])
+        if len(cases) == 2 and which.dtype == np.bool_ else None,
+    "convert_element_type": lambda x, new_dtype, **_:  # (to floating point only)
+        x.astype(new_dtype) if _floating(new_dtype) and x.dtype.kind in "biuf" else None,
+    "copy": lambda x, **_: x.copy(),
+    "neg": lambda x, **_: np.negative(x),
+    "add": lambda x, y, **_: np.add(x, y),
+    "add_any": lambda x, y, **_: np.add(x, y),
+    "sub": lambda x, y, **_: np.subtract(x, y),
+    "mul": lambda x, y, **_: np.multiply(x, y),
+    "div": lambda x, y, **_: np.divide(x, y) if _floating(x.dtype, y.dtype) else None,
+}
 
 
 # -- segments -------------------------------------------------------------------------

@@ -301,18 +301,36 @@ def test_values_known_before_the_program_runs_are_computed_once_exactly():
         cts = sum(jnp.pad(unit[:, i:i + 1], ((0, 0), (i, 2 - i))) for i in range(3))
         seeded = cts[:, :, None] * w[None]  # reads the known input and a constant
         big = jnp.broadcast_to(cts[:, :, None], (3, 3, 100))  # over the limit
-        return seeded * x, big.sum() * x, w * 2.0
+        return seeded * x, big.sum() * x, w * 2.0, (cts @ w) * x, cts[1, 1] * x  # (0-d)
 
     unit, x = np.eye(3), np.linspace(1.0, 2.0, 4)
     closed = jax.make_jaxpr(f)(unit, x)
-    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]: unit}, limit=200)
+    folded, identities = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]: unit},
+                                             limit=200)
     names = [e.primitive.name for e in folded.jaxpr.eqns]
     assert "pad" not in names and "slice" not in names and len(names) < len(closed.eqns)
     assert "broadcast_in_dim" in names  # `big`: computed by the program
-    for a, b in zip(jaxpr_as_fun(folded)(unit, x), jaxpr_as_fun(closed)(unit, x)):
-        np.testing.assert_array_equal(a, b)
+    # `cts` is the identity again: its product with w goes too
+    assert len(identities) == 1 and "dot_general" in names
+    simpler = _rewrite.drop_identity_products(folded, identities)
+    assert "dot_general" not in [e.primitive.name for e in simpler.jaxpr.eqns]
+    for program in (folded, simpler):
+        for a, b in zip(jaxpr_as_fun(program)(unit, x), jaxpr_as_fun(closed)(unit, x)):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    assert all(np.shape(c) == v.aval.shape
+               for v, c in zip(folded.jaxpr.constvars, folded.consts))
     assert _rewrite.fold_known(closed, {}) is None
     assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]: unit}, budget=8) is None
+
+
+@pytest.mark.parametrize("config", [((1, 2, 0),), ((2, -1, 1),), ((-1, 0, 2),), ((0, 0, 3),)])
+def test_pads_computed_ahead_are_xla_s(config):
+    from distop import _rewrite
+
+    x = np.arange(1.0, 5.0)
+    np.testing.assert_array_equal(_rewrite._pad(x, np.float64(-7.0), config),
+                                  jax.lax.pad(x, -7.0, config))
 
 
 def test_operator_calls_are_never_computed_ahead_even_on_known_values():

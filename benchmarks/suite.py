@@ -499,6 +499,7 @@ def worker(args):
         print(f"rank {bench.comm.Get_rank()}: section {args.worker} failed\n"
               + traceback.format_exc(), file=sys.stderr, flush=True)
         bench.comm.Abort(1)
+        return 1  # (should Abort return)
     result.update(ranks=bench.comm.Get_size(), seconds=time.perf_counter() - start,
                   jax=jax.__version__, distop=bench.distop.__version__,
                   mpi=" ".join(bench.MPI.Get_library_version().splitlines()[0].split()),

@@ -540,8 +540,7 @@ class Problem:
             seeds = invars[len(invars) - len(specs):]
             units = {seeds[i] for i in self._unit_seeds(options[1], layout)}
             closed = _rewrite.drop_identity_products(closed, units) or closed
-            folded = _rewrite.fold_known(closed, {
-                v: np.eye(*v.aval.shape, dtype=v.aval.dtype) for v in units})
+            folded = _rewrite.fold_known(closed, units)
             if folded is not None:  # (values folded into identity matrices: products too)
                 closed = _rewrite.drop_identity_products(*folded) or folded[0]
         return (closed, *self._drops(closed))

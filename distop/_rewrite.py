@@ -413,8 +413,8 @@ FOLD_BUDGET = 1 << 22  # elements (32 MiB of float64): all of them together; the
 # matvec's forward variant unrolled at K=64 needs 1.6e6 (its 4096 cotangents of 400)
 
 
-def fold_known(closed_jaxpr, known, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
-    """The program with what it computes from `known` inputs alone computed once, now.
+def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
+    """The program with what it computes from `identities` alone computed once, now.
 
     A reverse sweep over unit seeds starts with operations on the seeds only: splitting
     them into the outputs' cotangents and sending each back through the model's last
@@ -429,7 +429,8 @@ def fold_known(closed_jaxpr, known, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
 
     **Arguments:**
     - `closed_jaxpr`: the traced program.
-    - `known`: input variable -> its value, fixed for every run.
+    - `identities`: its input variables that hold identity matrices (each taken if it
+      has at most `limit` elements).
     - `limit`: the most elements an operation may produce to be evaluated here.
     - `budget`: the most elements of values the program may receive as constants; with
       more, nothing is folded.
@@ -438,6 +439,8 @@ def fold_known(closed_jaxpr, known, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     matrices), or None if nothing reads only known values.
     """
     jaxpr = closed_jaxpr.jaxpr
+    known = {v: np.eye(*v.aval.shape, dtype=v.aval.dtype) for v in identities
+             if math.prod(v.aval.shape) <= limit}
     if not known:
         return None
     env = dict(known)  # every value computed here

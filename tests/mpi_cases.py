@@ -444,5 +444,40 @@ def shapes_changing_on_one_rank_raise_everywhere():
         raise AssertionError("no error")
 
 
+@case("core")
+def calls_that_ran_before_still_agree_before_communicating():
+    a_local, _, x0, w = dm.setup(8, 2, comm)
+    for backend in ("lean", "io_callback"):
+        problem = distop.Problem(dm.build(a_local, w, "reverse"), {"x": x0}, backend=backend)
+        expected = problem.run()["f0"], problem.compute_totals()["f0", "x"]
+        for _ in range(2):  # both requests ran before (compiled): each still agrees first
+            try:  # rank 0 runs, the others compute totals: both start an Allreduce
+                problem.run() if rank == 0 else problem.compute_totals()
+            except distop.DistopError as err:
+                assert "different entry points" in str(err), err
+            else:
+                raise AssertionError("no error")
+        # every rank is in step again: values and totals as before
+        np.testing.assert_array_equal(problem.run()["f0"], expected[0])
+        np.testing.assert_array_equal(problem.compute_totals()["f0", "x"], expected[1])
+
+
+@case("core")
+def block_sizes_changing_on_some_ranks_are_agreed_again():
+    op = distop.AllreduceSum()
+    problem = distop.Problem(lambda b: {"s": op(jnp.sum(b * b))}, {"b": np.ones(2)},
+                             distributed=["b"])
+    # rank 0 changes its block, the others keep theirs (the same local shapes as the
+    # call before, whose program exists): every call agrees on every rank's sizes
+    for sizes in ([2] * size, [3] + [2] * (size - 1), [3] + [2] * (size - 1), [2] * size,
+                  [2] + [5] * (size - 1), [2] * size):
+        b = np.full(sizes[rank], 1.0 + rank)
+        expected = sum(n * (1.0 + r) ** 2 for r, n in enumerate(sizes))
+        assert problem.run(b=b)["s"] == expected
+        J = problem.compute_totals()["s", "b"]
+        np.testing.assert_array_equal(J, [np.concatenate([np.full(n, 2.0 + 2 * r)
+                                                          for r, n in enumerate(sizes)])])
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

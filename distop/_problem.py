@@ -540,9 +540,7 @@ class Problem:
             seeds = invars[len(invars) - len(specs):]
             units = {seeds[i] for i in self._unit_seeds(options[1], layout)}
             closed = _rewrite.drop_identity_products(closed, units) or closed
-            folded = _rewrite.fold_known(closed, units)
-            if folded is not None:  # (values folded into identity matrices: products too)
-                closed = _rewrite.drop_identity_products(*folded) or folded[0]
+            closed = _rewrite.fold_known(closed, units) or closed
         return (closed, *self._drops(closed))
 
     def _drops(self, closed, allowed=None):

@@ -77,7 +77,8 @@ class FusedCall:
         for i, (member, wiring, offer) in enumerate(zip(self.members, self.wiring,
                                                         self._offers)):
             given = None if out is None or offer is None else [out[k] for k in offer]
-            results.extend(member(*[results[k] if inner else args[k] for inner, k in wiring],
+            results.extend(member(*[_read_only(results[k]) if inner else args[k]
+                                    for inner, k in wiring],
                                   out=given, rows=rows.get(i, False)))
         return [results[k] for k in self.returned]
 
@@ -114,6 +115,14 @@ class FusedCall:
             found[i] = rows_of(every[start:start + mask.size].astype(bool))
             start += mask.size
         return found
+
+
+def _read_only(array):
+    """A read-only view: a member's result, passed to the next, may be XLA's buffer of
+    a program result (methods get read-only arguments everywhere)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _lean(eqn):
@@ -420,12 +429,12 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     them into the outputs' cotangents and sending each back through the model's last
     steps (the slices and pads of `f[i]`, products with constant weights). XLA cannot
     fold them, the seeds being arguments, and on CPU runs each as a small loop of its
-    own, every call (the forward variant of the matvec, K=16: 33 such loops, a quarter
-    of its time), and compiles each (most of an unrolled program's compile time). The seeds
-    are known when the program is built: every operation that reads them (and else only
-    constants and literals) and that numpy computes exactly as XLA does (moves of data
-    and elementwise IEEE arithmetic: `_NUMPY`) is evaluated here, and the values the
-    rest of the program reads become its constants.
+    own, every call (the forward variant of the matvec, K=16: 33 such loops), and
+    compiles each (most of an unrolled program's compile time). The seeds are known
+    when the program is built: every operation that reads them (and else only
+    constants and literals) and whose values numpy gives as XLA does at run time
+    (`_NUMPY`) is evaluated here, and the values the rest of the program reads become
+    its constants (read by XLA's operations through a barrier: `_fenced`).
 
     **Arguments:**
     - `closed_jaxpr`: the traced program.
@@ -435,22 +444,22 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     - `budget`: the most elements of values the program may receive as constants; with
       more, nothing is folded.
 
-    **Returns:** (the rewritten `ClosedJaxpr`, its new constants that are identity
-    matrices), or None if nothing reads only known values.
+    **Returns:** the rewritten `ClosedJaxpr` (where a folded value is an identity matrix
+    again, its products dropped too: see `drop_identity_products`), or None if nothing
+    reads only known values.
     """
     jaxpr = closed_jaxpr.jaxpr
     known = {v: np.eye(*v.aval.shape, dtype=v.aval.dtype) for v in identities
              if math.prod(v.aval.shape) <= limit}
     if not known:
         return None
-    env = dict(known)  # every value computed here
-    env.update((v, np.asarray(c)) for v, c in zip(jaxpr.constvars, closed_jaxpr.consts))
+    env = dict(known)  # every value computed here (constants: as the program has them)
+    env.update(zip(jaxpr.constvars, closed_jaxpr.consts))
     seeded, kept = set(known), []  # seeded: values that depend on a known input
     for eqn in jaxpr.eqns:
         found = None
-        if (all(isinstance(v, Literal) or v in env for v in eqn.invars)
-                and sum(math.prod(v.aval.shape) for v in eqn.outvars) <= limit):
-            found = _evaluate(eqn, [_value(env, v) for v in eqn.invars])
+        if all(isinstance(v, Literal) or v in env for v in eqn.invars):
+            found = _evaluate(eqn, [_value(env, v) for v in eqn.invars], limit)
         if found is not None:
             env.update(zip(eqn.outvars, found))
             if any(v in seeded for v in _vars(eqn.invars)):
@@ -462,25 +471,55 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     if not results or sum(math.prod(v.aval.shape) for v in results) > budget:
         return None
     values = [np.asarray(env[v], order="C") for v in results]  # (0-d stays 0-d)
-    new = Jaxpr([*jaxpr.constvars, *results], jaxpr.invars, jaxpr.outvars, kept,
-                jaxpr.effects, jaxpr.debug_info)
-    identities = {v for v, value in zip(results, values) if value.ndim == 2
-                  and value.shape[0] == value.shape[1]
-                  and np.array_equal(value, np.eye(len(value), dtype=value.dtype))}
-    return ClosedJaxpr(new, [*closed_jaxpr.consts, *values]), identities
+    closed = ClosedJaxpr(Jaxpr([*jaxpr.constvars, *results], jaxpr.invars, jaxpr.outvars,
+                               kept, jaxpr.effects, jaxpr.debug_info),
+                         [*closed_jaxpr.consts, *values])
+    # a value folded into an identity matrix again: its products go as well
+    closed = drop_identity_products(closed, {
+        v for v, value in zip(results, values) if value.ndim == 2
+        and value.shape[0] == value.shape[1]
+        and np.array_equal(value, np.eye(len(value), dtype=value.dtype))}) or closed
+    return _fenced(closed, results)
 
 
-def _evaluate(eqn, values):
+def _fenced(closed_jaxpr, constants):
+    """The program with its XLA operations reading `constants` through an optimization
+    barrier: XLA must not fold them at compile time either, where it gets other values
+    than at run time (it rewrites `(c + a) + b` as `c + (a + b)`, converts otherwise).
+    Host calls read them as they are (XLA folds nothing through them)."""
+    jaxpr = closed_jaxpr.jaxpr
+    read = {v for e in jaxpr.eqns if "call" not in e.params for v in _vars(e.invars)}
+    fenced = [v for v in constants if v in read]
+    if not fenced:
+        return closed_jaxpr
+    rename = {v: Var(v.aval) for v in fenced}
+    eqns = [new_jaxpr_eqn(fenced, list(rename.values()), lax.optimization_barrier_p, {},
+                          set())]
+    eqns += [e if "call" in e.params else e.replace(
+        invars=[rename.get(v, v) if isinstance(v, Var) else v for v in e.invars])
+        for e in jaxpr.eqns]
+    return ClosedJaxpr(Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns,
+                             jaxpr.effects, jaxpr.debug_info), closed_jaxpr.consts)
+
+
+def _evaluate(eqn, values, limit):
     """**Returns:** the results of `eqn` on `values`, computed by numpy, or None where
-    `_NUMPY` has no rule for it (or for an equation of the inner program of a `jit`) or
-    its results would not be XLA's (shape, dtype)."""
-    if eqn.effects:
+    `_NUMPY` has no rule for it (or for an equation of the inner program of a `jit`),
+    where a result has more than `limit` elements, or where the values would not be
+    XLA's (see `_NUMPY`). A value numpy cannot take (a typed PRNG key) or an operation
+    it refuses leaves the equation to XLA too."""
+    if eqn.effects or sum(math.prod(v.aval.shape) for v in eqn.outvars) > limit:
         return None
-    if eqn.primitive.name in ("jit", "pjit"):  # jax.numpy's functions, among others
-        found = _evaluate_all(eqn.params["jaxpr"], values)
-    else:
-        rule = _NUMPY.get(eqn.primitive.name)
-        found = None if rule is None else rule(*values, **eqn.params)
+    try:
+        with np.errstate(all="ignore"):  # (0 * inf in a constant is XLA's NaN as well)
+            values = [np.asarray(v) for v in values]
+            if eqn.primitive.name in ("jit", "pjit"):  # jax.numpy's functions, among others
+                found = _evaluate_all(eqn.params["jaxpr"], values, limit)
+            else:
+                rule = _NUMPY.get(eqn.primitive.name)
+                found = None if rule is None else rule(*values, **eqn.params)
+    except (TypeError, ValueError):
+        return None
     if found is None:
         return None
     found = list(found) if eqn.primitive.multiple_results else [found]
@@ -491,13 +530,12 @@ def _evaluate(eqn, values):
     return [np.asarray(r) for r in found]
 
 
-def _evaluate_all(closed_jaxpr, values):
+def _evaluate_all(closed_jaxpr, values, limit):
     """**Returns:** the results of an inner program on `values` (numpy), or None."""
-    env = {v: np.asarray(c) for v, c in zip(closed_jaxpr.jaxpr.constvars, closed_jaxpr.consts)}
+    env = dict(zip(closed_jaxpr.jaxpr.constvars, closed_jaxpr.consts))
     env.update(zip(closed_jaxpr.jaxpr.invars, values))
-
     for eqn in closed_jaxpr.jaxpr.eqns:
-        found = _evaluate(eqn, [_value(env, v) for v in eqn.invars])
+        found = _evaluate(eqn, [_value(env, v) for v in eqn.invars], limit)
         if found is None:
             return None
         env.update(zip(eqn.outvars, found))
@@ -512,6 +550,8 @@ def _value(env, atom):
 def _pad(x, value, padding_config):
     inner = [max(n + (n - 1) * i, 0) for n, (_, _, i) in zip(x.shape, padding_config)]
     shape = [m + max(lo, 0) + max(hi, 0) for m, (lo, hi, _) in zip(inner, padding_config)]
+    if math.prod(shape) > FOLD_LIMIT:  # (before cropping: it may be far larger)
+        return None
     out = np.full(shape, value, x.dtype)
     out[tuple(slice(max(lo, 0), max(lo, 0) + m, i + 1)
               for m, (lo, _, i) in zip(inner, padding_config))] = x
@@ -526,12 +566,55 @@ def _broadcast(x, shape, broadcast_dimensions, **_):
     return np.broadcast_to(x.reshape(axes), shape)
 
 
-def _floating(*dtypes):
-    return all(np.issubdtype(d, np.floating) for d in dtypes)
+def _widening(x, new_dtype):
+    """Whether converting `x` to `new_dtype` is exact (as in XLA): to floating point,
+    from bool, an integer or a floating point type no wider."""
+    new = np.dtype(new_dtype)
+    return np.issubdtype(new, np.floating) and (
+        x.dtype.kind in "biu" or (x.dtype.kind == "f" and x.dtype.itemsize <= new.itemsize))
 
 
-# The operations `fold_known` evaluates: each gives in numpy the very values XLA gives
-# (data moved, or one correctly rounded IEEE operation per element).
+def _plain(x):
+    """Whether XLA computes with `x` as numpy does: an integer array (both wrap
+    around), or real floating point without subnormals (XLA on CPU flushes them)."""
+    if x.dtype.kind in "biu":
+        return True
+    if x.dtype.kind != "f":
+        return False  # (complex products are not one rounding per element)
+    return not ((np.abs(x) < np.finfo(x.dtype).tiny) & (x != 0)).any()
+
+
+def _whole(x):
+    """Whether every entry of `x` is an integer that its type holds exactly, and no zero
+    is negative: sums of such values are the same in any order or rewrite."""
+    if x.dtype.kind in "biu":
+        return True
+    return bool(_plain(x) and (np.abs(x) <= 2.0 ** np.finfo(x.dtype).nmant).all()
+                and (np.round(x) == x).all() and not np.signbit(x[x == 0]).any())
+
+
+def _sum(x, y, subtract=False):
+    """`x + y` (or `x - y`) where its value cannot depend on how it is computed."""
+    if not (_whole(x) and _whole(y)):
+        return None
+    return np.subtract(x, y) if subtract else np.add(x, y)
+
+
+def _product(x, y):
+    """`x * y` where one factor holds only -1, 0 and 1 (the seeds, moved and summed):
+    each entry is then the other factor's, its negative, a zero or a NaN, whichever
+    way it is computed."""
+    if not (_plain(x) and _plain(y)):
+        return None
+    if x.dtype.kind == "f" and not any(np.isin(f, (-1, 0, 1)).all() for f in (x, y)):
+        return None
+    return np.multiply(x, y)
+
+
+# The operations `fold_known` evaluates, each to the values XLA computes: data moved,
+# exact conversions, and arithmetic only where its result cannot depend on how it is
+# computed (XLA rewrites expressions of constants, `a / c` as `a * (1 / c)` or `a + 0`
+# as `a`, and flushes subnormals to zero).
 _NUMPY = {
     "slice": lambda x, start_indices, limit_indices, strides=None, **_: x[tuple(
         slice(a, b, c) for a, b, c in zip(start_indices, limit_indices,
@@ -547,15 +630,14 @@ _NUMPY = {
     "split": lambda x, sizes, axis, **_: np.split(x, np.cumsum(sizes)[:-1], axis),
     "select_n": lambda which, *cases: np.where(which, cases[1], cases[0])
         if len(cases) == 2 and which.dtype == np.bool_ else None,
-    "convert_element_type": lambda x, new_dtype, **_:  # (to floating point only)
-        x.astype(new_dtype) if _floating(new_dtype) and x.dtype.kind in "biuf" else None,
+    "convert_element_type": lambda x, new_dtype, **_:
+        x.astype(new_dtype) if _widening(x, new_dtype) else None,
     "copy": lambda x, **_: x.copy(),
-    "neg": lambda x, **_: np.negative(x),
-    "add": lambda x, y, **_: np.add(x, y),
-    "add_any": lambda x, y, **_: np.add(x, y),
-    "sub": lambda x, y, **_: np.subtract(x, y),
-    "mul": lambda x, y, **_: np.multiply(x, y),
-    "div": lambda x, y, **_: np.divide(x, y) if _floating(x.dtype, y.dtype) else None,
+    "neg": lambda x, **_: np.negative(x) if _plain(x) else None,
+    "add": lambda x, y, **_: _sum(x, y),
+    "add_any": lambda x, y, **_: _sum(x, y),
+    "sub": lambda x, y, **_: _sum(x, y, subtract=True),
+    "mul": lambda x, y, **_: _product(x, y),
 }
 
 

@@ -27,6 +27,13 @@ def _inexact(spec):
     return np.issubdtype(spec.dtype, np.inexact)
 
 
+def _linear_specs(phase, in_specs, out_specs):
+    """The specs of a method's (co)tangent arguments: of the floating-point inputs
+    (`jvp`) or outputs (`vjp`); none for `forward`."""
+    specs = () if phase == "forward" else in_specs if phase == "jvp" else out_specs
+    return tuple(s for s in specs if _inexact(s))
+
+
 def rows_of(mask):
     """**Returns:** None if every entry of `mask` is true; else its true entries, as a
     slice where they are contiguous (views, not copies, of the rows), else as indices."""
@@ -100,8 +107,7 @@ class HostCall:
             self.slots, self.n_slots, self.result_picks = diff_out, len(out_specs), diff_in
             self.result_specs = tuple(in_specs[i] for i in diff_in)
         self.n_linear = len(self.slots)
-        linear_specs = tuple((in_specs if phase == "jvp" else out_specs)[i] for i in self.slots)
-        self.arg_specs = linear_specs + self.in_specs
+        self.arg_specs = _linear_specs(phase, self.in_specs, self.out_specs) + self.in_specs
         self.batch_shape = tuple(batch_shape)
         self._shapes = None
         self.levels = (levels if levels is not None
@@ -146,8 +152,8 @@ class HostCall:
           default: every level.
         """
         if linear_levels is None:
-            specs = self.in_specs if phase == "jvp" else self.out_specs
-            linear_levels = [(True,) * len(self.batch_shape)] * sum(map(_inexact, specs))
+            linear_levels = [(True,) * len(self.batch_shape)] * len(
+                _linear_specs(phase, self.in_specs, self.out_specs))
         return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
                         self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
                         self.batch_shape, lean=self.lean)

@@ -69,6 +69,18 @@ def hand_written(a_local, w, x, batched=True, gradients=True):
     return f, grads
 
 
+def hand_operators(a_local, w, x, gradients=False):
+    """The forward variant by hand: K operator calls on x, each a matvec and its own
+    Allreduce, f_k = w_k . y_k; with `gradients`, the K gradients alone (what distop's
+    `compute_totals` computes), each through its operator's VJP and its own Allreduce.
+    The work of the K users' methods, without any framework."""
+    out = np.empty((w.shape[0], a_local.shape[1] if gradients else a_local.shape[0]))
+    for k in range(w.shape[0]):
+        local = transpose(a_local) @ w[k] if gradients else a_local @ x
+        comm.Allreduce(local, out[k], op=MPI.SUM)
+    return out if gradients else np.einsum("km,km->k", w, out)
+
+
 def floor_programs(a_local, w, size):
     """Jitted programs with the same jnp work and bare ordered callbacks."""
     spec = jax.ShapeDtypeStruct((size,), jnp.float64)

@@ -40,6 +40,10 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    (fused), as a Problem does whenever an operator is not set to `ordered=False`.
    The forward table: `build(..., "forward")`, K independent operator calls on the same
    x, against one operator (K=1), fused and not; `K/1` is the cost of K calls over one.
+   `hand 1`, `hand K`: the same K operators by hand (matvec.py's `hand_operators`: each
+   call's matvec and Allreduce; for `compute_totals` each VJP's), and `bound K/1`:
+   (lean 1 + hand K - hand 1) / lean 1, the K/1 distop would reach if each further
+   operator call cost nothing beyond the users' own work.
 2. `chain`: N calls of a small operator (the matvec on 8 doubles: an Allreduce in
    forward and vjp), f = w . y: one chain (`chain`: y = op(y), N times), or 40
    independent chains of N/40 calls (N >= 40), written chain after chain (`groups`) or
@@ -295,7 +299,12 @@ def forward_case(bench, counts):
                 dm.build(a_local, w[:k], "forward"), {"x": x0}, fuse=name == "lean")
             errors[key] = bench.max(dm.errors(problems[key], a_global, x0, w[:k], "batched",
                                               calls=3))
-    median = bench.interleaved({key: (p.run, p.compute_totals) for key, p in problems.items()})
+    calls = {key: (p.run, p.compute_totals) for key, p in problems.items()}
+    calls.update({f"hand/{k}": (lambda k=k: bench.mv.hand_operators(a_local, w[:k], x0),
+                                lambda k=k: bench.mv.hand_operators(a_local, w[:k], x0,
+                                                                    gradients=True))
+                  for k in [1, *counts]})
+    median = bench.interleaved(calls)
     return {"K": counts, "median": median, "first": first, "error": errors,
             "calls": {key: host_calls(p) for key, p in problems.items()}}
 
@@ -608,8 +617,10 @@ def forward_table(results):
         return
     names = [n for n in ("lean", "nofuse") if any(f"{n}/1" in r["median"]
                                                   for r in results.values())]
+    hand = all("hand/1" in r["median"] for r in results.values())
     header = ["P", "K", "entry", *(c for n in names for c in (f"{n} 1", f"{n} K", "K/1")),
               *(["nofuse/lean"] if len(names) == 2 else []),
+              *(["hand 1", "hand K", "bound K/1"] if hand and "lean" in names else []),
               *(f"calls {n} {k}" for n in names for k in ("1", "K")),
               *(f"err {n}" for n in names)]
     rows = []
@@ -623,11 +634,20 @@ def forward_table(results):
                                                           fmt(many[n] / one[n], "x"))),
                              *([fmt(many["nofuse"] / many["lean"], "x")] if len(names) == 2
                                else []),
+                             *(_bound(r, k, which, one["lean"]) if hand and "lean" in names
+                               else []),
                              *(str(r["calls"][f"{n}/{j}"]) for n in names for j in (1, k)),
                              *(fmt(r["error"][f"{n}/{k}"], "e") for n in names)])
     print_table("matvec forward variant: K independent operator calls on one x against one "
                 "(K=1), per call (ms); calls: host calls per compute_totals", header,
                 rows)
+
+
+def _bound(r, k, which, lean_one):
+    """hand 1, hand K, and the K/1 distop would reach if it added nothing per operator
+    call to one call's cost but the users' own work: (lean 1 + hand K - hand 1) / lean 1."""
+    one, many = r["median"]["hand/1"][which], r["median"][f"hand/{k}"][which]
+    return [fmt(one, "ms"), fmt(many, "ms"), fmt((lean_one + many - one) / lean_one, "x")]
 
 
 def chain_tables(results, args):

@@ -94,6 +94,7 @@ class HostCall:
         self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
         self.lean = lean
         self.ffi_id = None  # set when lowered (see _ffi.register)
+        self.origin = None  # the traced call this one stands for (see `narrowed`)
         self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
         diff_in = tuple(i for i, s in enumerate(in_specs) if _inexact(s))
         diff_out = tuple(i for i, s in enumerate(out_specs) if _inexact(s))
@@ -157,6 +158,15 @@ class HostCall:
         return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
                         self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
                         self.batch_shape, lean=self.lean)
+
+    def narrowed(self, count):
+        """**Returns:** this call on `count` rows of its one batch level (a rewritten
+        program passes it only the rows that can be nonzero); its `origin` is this call
+        (the schedule lists it in this call's place)."""
+        call = HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, self.levels, (count,), lean=self.lean)
+        call.origin = self.origin or self
+        return call
 
     def with_batch(self, in_batched, size):
         """**Returns:** this call one batch level deeper (a new outermost batch axis of

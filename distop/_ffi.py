@@ -91,35 +91,48 @@ class _Api(C.Structure):
 
 
 _DATA = _Buffer.data.offset
-_plans = {}  # call_id -> (dtype, shape, ctypes buffer type) of its arguments, results
+_plans = {}  # call_id -> the _Slots of its arguments, of its results
+_KEPT = 8  # views kept per slot: XLA cycles its buffers through a few addresses
 
 
-def _plan(addresses):
-    plan = []
-    for address in addresses:
+class _Slot:
+    """One argument or result of a call site: its dtype and shape (fixed per call site)
+    and numpy views of the buffers XLA has passed there, by address. Making a view costs
+    microseconds (ctypes, numpy); finding one made before costs a dict lookup."""
+
+    __slots__ = ("dtype", "raw", "shape", "views", "writeable")
+
+    def __init__(self, address, writeable):
         b = _Buffer.from_address(address)
-        shape = tuple(b.dims[i] for i in range(b.rank))
-        dtype = np.dtype(_DTYPES[b.dtype])
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        plan.append((dtype, shape, C.c_char * nbytes if nbytes else None))
-    return plan
+        self.shape = tuple(b.dims[i] for i in range(b.rank))
+        self.dtype = np.dtype(_DTYPES[b.dtype])
+        nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.raw = C.c_char * nbytes if nbytes else None
+        self.writeable, self.views = writeable, {}
+
+    def view(self, data):
+        view = self.views.get(data)
+        if view is None:
+            if self.raw is None:
+                return np.zeros(self.shape, self.dtype)
+            if len(self.views) >= _KEPT:
+                self.views.clear()
+            view = np.frombuffer(self.raw.from_address(data), self.dtype).reshape(self.shape)
+            view.flags.writeable = self.writeable
+            self.views[data] = view
+        return view
 
 
-def _arrays(values, plan, writeable):
-    """numpy views of XLA's buffers (valid only during the call); shapes and dtypes are
-    fixed per call site, so only the data pointers are read each time. The arguments'
-    views are read-only, as JAX's own callbacks pass them: XLA may pass a program
-    input or a constant of the program, which a method must not change."""
-    out = []
-    for i, (dtype, shape, raw) in enumerate(plan):
-        if raw is None:
-            out.append(np.zeros(shape, dtype))
-            continue
-        data = C.c_void_p.from_address(values[i] + _DATA).value
-        view = np.frombuffer(raw.from_address(data), dtype).reshape(shape)
-        view.flags.writeable = writeable
-        out.append(view)
-    return out
+def _plan(values, size, writeable):
+    return [_Slot(values[i], writeable) for i in range(size)]
+
+
+def _arrays(values, slots):
+    """numpy views of XLA's buffers (valid only during the call). The arguments' views
+    are read-only, as JAX's own callbacks pass them: XLA may pass a program input or a
+    constant of the program, which a method must not change."""
+    return [slot.view(C.c_void_p.from_address(values[i] + _DATA).value)
+            for i, slot in enumerate(slots)]
 
 
 def _handler(frame_pointer):
@@ -140,11 +153,10 @@ def _handler(frame_pointer):
         arg_values, ret_values = frame.args.values, frame.rets.values
         plans = _plans.get(call_id)
         if plans is None:
-            plans = _plans[call_id] = (
-                _plan([arg_values[i] for i in range(frame.args.size)]),
-                _plan([ret_values[i] for i in range(frame.rets.size)]))
-        args = _arrays(arg_values, plans[0], False)
-        rets = _arrays(ret_values, plans[1], True)
+            plans = _plans[call_id] = (_plan(arg_values, frame.args.size, False),
+                                       _plan(ret_values, frame.rets.size, True))
+        args = _arrays(arg_values, plans[0])
+        rets = _arrays(ret_values, plans[1])
         results = call(*args[1:], out=rets[1:])
         rets[0][...] = args[0] + 1  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):

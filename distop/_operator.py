@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -323,7 +324,9 @@ def _batch(args, dims, *, call):
             raise NotImplementedError(f"{call.where}: a batched token")
         token, args, dims = args[0], args[1:], dims[1:]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    # (lax, not jnp.moveaxis: a jitted function, traced again on every call site)
+    args = [a if not d else lax.transpose(a, (d, *(k for k in range(a.ndim) if k != d)))
+            for a, d in zip(args, dims)]
     deeper = call.with_batch([d is not None for d in dims], size)
     if call.lean:
         outs = host_call_p.bind(token, *args, call=deeper)

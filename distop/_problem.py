@@ -522,7 +522,7 @@ class Problem:
             plan, every = self._agree(
                 f"{name}: agreeing on the lean path",
                 lambda: self._simplified(name, options, found, layout, specs) if chained
-                else None, share=lambda plan: None if plan is None else plan[1:3])
+                else None, share=lambda plan: None if plan is None else plan[1:4])
             if all(m is not None for m in every):
                 return (*self._rewritten(name, found, layout, specs, plan, every),
                         _rewrite.lean_calls(found[2].jaxpr))
@@ -530,10 +530,11 @@ class Problem:
 
     def _simplified(self, name, options, found, layout, specs):
         """This rank's simplification of a traced lean program: its products with unit
-        seeds dropped (see _rewrite.py), then its forward calls whose results nothing
-        reads here.
+        seeds dropped and what it computes from them folded (see _rewrite.py), then its
+        forward calls whose results nothing reads here.
 
-        **Returns:** (the program with the products dropped, then `_drops` of it)."""
+        **Returns:** (the program with the products dropped, the spans of rows its
+        derivative calls need here (`_rewrite.known_rows`), then `_drops` of it)."""
         closed = found[2]
         if name == "compute_totals":
             invars = closed.jaxpr.invars
@@ -541,7 +542,7 @@ class Problem:
             units = {seeds[i] for i in self._unit_seeds(options[1], layout)}
             closed = _rewrite.drop_identity_products(closed, units) or closed
             closed = _rewrite.fold_known(closed, units) or closed
-        return (closed, *self._drops(closed))
+        return (closed, _rewrite.known_rows(closed), *self._drops(closed))
 
     def _drops(self, closed, allowed=None):
         """**Returns:** (the chain positions of the forward calls of `closed` that nothing
@@ -558,7 +559,14 @@ class Problem:
         rank-dependent programs reach the schedule check in step).
 
         **Returns:** (function, outputs, the program before segments: its schedule)."""
-        closed, _, joins, dropped = plan
+        closed, _, _, joins, dropped = plan
+        # the rows a derivative call needs on some rank: it gets those on every rank
+        spans = {}
+        for position in set.intersection(*(set(s) for s, *_ in every)):
+            some = [s[position] for s, *_ in every if s[position][0] < s[position][1]]
+            spans[position] = ((min(a for a, _ in some), max(b for _, b in some)) if some
+                               else (0, 0))
+        every = [rest for _, *rest in every]
         while len({u for u, _ in every}) > 1:
             # What a call's results feed can depend on the rank's block sizes (JAX's
             # derivative of `prod` over one row reads nothing): keep every call some
@@ -572,12 +580,15 @@ class Problem:
         else:
             joins = tuple(map(all, zip(*(j for _, j in every))))
         return self._agree(f"{name}: rewriting the program",
-                           lambda: self._rewrite(found, layout, specs, dropped, joins))
+                           lambda: self._rewrite(found, layout, specs, dropped, joins, spans))
 
-    def _rewrite(self, found, layout, specs, closed, joins):
+    def _rewrite(self, found, layout, specs, closed, joins, spans):
         from ._operator import host_call_p
 
         changed = closed is not found[2]
+        narrowed = _rewrite.narrow(closed, spans)
+        if narrowed is not None:
+            closed, changed = narrowed, True
         if joins is not None:
             fused = _rewrite.fuse(closed, host_call_p, joins)
             if fused is not None:

@@ -32,6 +32,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_a
 from . import _safety
 from ._callback import rows_of
 from ._comm import mpi
+from ._compat import ShapedArray
 
 SEGMENT = 64  # host calls per segment of a long chain
 
@@ -642,6 +643,93 @@ _NUMPY = {
 
 
 # -- segments -------------------------------------------------------------------------
+# -- batch rows known to be zero ----------------------------------------------------------
+def known_rows(closed_jaxpr):
+    """The batch rows each derivative call is given nonzero (co)tangents in, where the
+    program fixes them: calls that may skip zero rows (`HostCall.skippable`) whose
+    batched arguments are all constants of the program (the cotangents folded from the
+    unit seeds: see `fold_known`). In the matvec's forward variant, operator k's
+    cotangents are zero but in row k.
+
+    **Returns:** derivative position (the derivative calls counted from 0 in chain
+    order: none is ever dropped) -> (first, last + 1) of its nonzero rows on this rank,
+    (0, 0) if there are none.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+    found = {}
+    for position, eqn in enumerate(e for e in jaxpr.eqns if _lean(e)
+                                   and e.params["call"].phase != "forward"):
+        call, args = eqn.params["call"], eqn.invars[1:]
+        if not call.skippable or not all(
+                isinstance(a, Var) and a in consts
+                for a, levels in zip(args, call.levels) if levels[0]):
+            continue
+        n = call.batch_shape[0]
+        rows = np.logical_or.reduce([np.asarray(consts[a]).reshape(n, -1).any(axis=1)
+                                     for a in args[:call.n_linear]]).nonzero()[0]
+        found[position] = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
+    return found
+
+
+def narrow(closed_jaxpr, spans):
+    """The program with each derivative call in `spans` given only the rows of its batch
+    in its span (its constant batched arguments sliced), its results padded with zeros
+    back to the whole batch: zero (co)tangents give zero results, so the values are the
+    same, and the call no longer looks for its nonzero rows, zeroes, or returns, the
+    others. The ranks pass the same spans (the union of theirs), so that every rank
+    passes the same rows to the same collectives.
+
+    **Arguments:**
+    - `closed_jaxpr`: a lean program.
+    - `spans`: derivative position -> (start, stop), as from `known_rows`.
+
+    **Returns:** the rewritten `ClosedJaxpr`, or None if no call is narrowed.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+    # (a call whose results another call reads as they are stays: that would change
+    # which calls fusion may join, agreed on the program as it was)
+    read_by_calls = {v for e in jaxpr.eqns if _lean(e) for v in e.invars[1:]}
+    eqns, added, position = [], {}, -1
+    for eqn in jaxpr.eqns:
+        call = eqn.params.get("call")
+        if not _lean(eqn) or call.phase == "forward":
+            eqns.append(eqn)
+            continue
+        position += 1
+        start, stop = spans.get(position, (0, 0))
+        n = call.batch_shape[0] if call.batch_shape else 0
+        if (not 0 <= start < stop <= n or stop - start == n
+                or any(v in read_by_calls for v in eqn.outvars[1:])):
+            eqns.append(eqn)
+            continue
+        invars = [eqn.invars[0]]
+        for a, levels in zip(eqn.invars[1:], call.levels):
+            if levels[0]:
+                value = np.ascontiguousarray(np.asarray(consts[a])[start:stop])
+                a = Var(ShapedArray(value.shape, value.dtype))
+                added[a] = value
+            invars.append(a)
+        small = [Var(ShapedArray((stop - start,) + v.aval.shape[1:], v.aval.dtype))
+                 for v in eqn.outvars[1:]]
+        eqns.append(new_jaxpr_eqn(invars, [eqn.outvars[0], *small], eqn.primitive,
+                                  {"call": call.narrowed(stop - start)}, eqn.effects,
+                                  eqn.source_info, eqn.ctx))
+        for part, whole in zip(small, eqn.outvars[1:]):
+            config = ((start, n - stop, 0),) + ((0, 0, 0),) * (whole.aval.ndim - 1)
+            zero = Literal(np.zeros((), whole.aval.dtype), ShapedArray((), whole.aval.dtype))
+            eqns.append(new_jaxpr_eqn([part, zero], [whole], lax.pad_p,
+                                      {"padding_config": config}, set()))
+    if not added:
+        return None
+    read = set(_vars(jaxpr.outvars)).union(*(_vars(e.invars) for e in eqns))
+    constvars = [v for v in jaxpr.constvars if v in read] + list(added)
+    return ClosedJaxpr(Jaxpr(constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects,
+                             jaxpr.debug_info),
+                       [consts[v] for v in constvars if v in consts] + list(added.values()))
+
+
 def lean_calls(jaxpr):
     """**Returns:** the lean host calls at the top level of `jaxpr`, in program order."""
     return tuple(eqn.params["call"] for eqn in jaxpr.eqns if _lean(eqn))

@@ -21,7 +21,8 @@ class ScheduleEntry:
     Fields: `index`, `operator` (class name), `phase` (`forward`/`vjp`), `collectives`
     (declared for that phase), `input_shapes`, `output_shapes`, `input_dtypes`,
     `output_dtypes` (unbatched), `batch` (batch sizes, outermost first; () if not
-    batched), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`),
+    batched; a derivative call is passed only the rows of its batch whose (co)tangents
+    can be nonzero), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`),
     `input_distributed`, `output_distributed` (per argument: whether its local axis 0
     differs between ranks, in which case the shape shows the global size of that axis),
     `lean` (called through the lean path: ordered by the program's token chain),
@@ -106,7 +107,7 @@ def _with_unmade(found, entries, traced):
         return [dataclasses.replace(_entry(call, "", group), made=False) for call in calls]
 
     for (call, _, group), entry in zip(found, entries):
-        j = position.get(id(call))
+        j = position.get(id(call.origin or call))
         if j is not None:  # the lean calls made come in chain order
             out.extend(unmade(traced[done:j], group))
             done = j + 1
@@ -153,7 +154,7 @@ def _entry(call, context, group):
         output_shapes=tuple(tuple(s.shape) for s in call.result_specs),
         input_dtypes=tuple(str(np.dtype(s.dtype)) for s in inputs),
         output_dtypes=tuple(str(np.dtype(s.dtype)) for s in call.result_specs),
-        batch=tuple(call.batch_shape),
+        batch=tuple((call.origin or call).batch_shape),
         ordered=call.ordered,
         context=context,
         lean=call.lean,

@@ -211,17 +211,73 @@ def fused_vjps_agree_on_their_nonzero_seed_rows():
             return self._total(comm) * y_bar
 
     ops = [Weighted(float(c)) for c in (1, 2, 3)]
-    # f_i reads only op i, g none of them
+    # f_i reads only op i, g none of them; the cotangents depend on x, so the rows are
+    # found when the program runs
     problem = distop.Problem(
-        lambda x: {**{f"f{i}": jnp.sum(op(x)) for i, op in enumerate(ops)},
+        lambda x: {**{f"f{i}": jnp.sum(op(x) * x) for i, op in enumerate(ops)},
                    "g": jnp.sum(x)}, {"x": np.ones(2)}, backend="lean")
     J = problem.compute_totals()
     weight = size * (size + 1) / 2
     for i, c in enumerate((1, 2, 3)):
-        all_close_everywhere(comm, J[f"f{i}", "x"], np.full((1, 2), c * weight))
+        all_close_everywhere(comm, J[f"f{i}", "x"], np.full((1, 2), 2 * c * weight))
     # four seeds; each VJP gets only its own row, on every rank, so its collective meets
     assert sorted(seen) == [(1.0, 1), (2.0, 1), (3.0, 1)], seen
     assert comm.allgather(sorted(seen)) == [sorted(seen)] * size
+
+
+@case("core")
+def vjps_are_given_the_rows_some_rank_needs_on_every_rank():
+    from distop import _rewrite
+
+    class Weighted(distop.DistributedOperator):
+        """y = c * sum over ranks of (rank + 1) * x (an Allreduce in forward and vjp)."""
+
+        c: float
+        forward_collectives = vjp_collectives = ("Allreduce",)
+        batched_vjp = True
+
+        def forward(self, comm, x):
+            out = np.empty_like(x)
+            comm.Allreduce(self.c * (comm.rank + 1) * x, out, op=MPI.SUM)
+            return out
+
+        def vjp(self, comm, y_bar, x):
+            out = np.empty_like(y_bar)
+            comm.Allreduce(self.c * (comm.rank + 1) * y_bar, out, op=MPI.SUM)
+            return out
+
+    ops = [Weighted(float(c)) for c in (1, 2, 3)]
+
+    def model(x):  # four seeds; op i's cotangent, a constant, is nonzero in row i only
+        return {**{f"f{i}": jnp.sum(op(x)) for i, op in enumerate(ops)}, "g": jnp.sum(x)}
+
+    # Ranks other than 0 report the next row instead (as a model whose constants differ
+    # between ranks would): each call must get both rows everywhere, or its collectives
+    # would meet the wrong rows, and rank 0's row would be lost elsewhere.
+    known = _rewrite.known_rows
+
+    def shifted(closed):
+        found = known(closed)
+        return found if rank == 0 else {p: (min(a + 1, 3), min(b + 1, 4))
+                                        for p, (a, b) in found.items()}
+
+    _rewrite.known_rows = shifted
+    try:
+        problem = distop.Problem(model, {"x": np.ones(2)}, backend="lean")
+        J = problem.compute_totals()
+    finally:
+        _rewrite.known_rows = known
+    weight = size * (size + 1) / 2
+    for i, c in enumerate((1, 2, 3)):
+        all_close_everywhere(comm, J[f"f{i}", "x"], np.full((1, 2), c * weight))
+    program = next(p for k, p in problem._programs.items() if k[0] == "compute_totals")
+    seeds = problem._seeds(problem.output_names, next(iter(problem._layouts.values())), True)
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64),
+                             {"x": jax.ShapeDtypeStruct((2,), np.float64)}, *seeds).jaxpr
+    batches = sorted(m.batch_shape for e in jaxpr.eqns if "call" in e.params
+                     for m in getattr(e.params["call"], "members", [e.params["call"]])
+                     if m.phase == "vjp")
+    assert batches == ([(1,)] * 3 if size == 1 else [(2,)] * 3), batches
 
 
 @case("core")

@@ -399,8 +399,12 @@ def test_a_reverse_sweep_from_several_outputs_of_one_vector_is_folded(matvec):
     seeds = lean._seeds(lean.output_names, next(iter(lean._layouts.values())), True)
     jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), spec, *seeds).jaxpr
     # the seeds' split into the outputs' cotangents, and their way back through the
-    # model's last steps, are constants of the program
-    assert not {"pad", "mul", "slice"} & {e.primitive.name for e in jaxpr.eqns}
+    # model's last steps, are constants of the program; what pads are left put each
+    # VJP's one row back in place
+    assert not {"mul", "slice"} & {e.primitive.name for e in jaxpr.eqns}
+    made = {v for e in jaxpr.eqns if "call" in e.params for v in e.outvars}
+    pads = [e for e in jaxpr.eqns if e.primitive.name == "pad"]
+    assert len(pads) == len(w) and all(e.invars[0] in made for e in pads), pads
 
 
 _INLINE_SCRIPT = """
@@ -481,6 +485,53 @@ def test_a_vjp_on_rows_that_are_not_contiguous_leaves_zeros_between_them():
     np.testing.assert_array_equal(J["b", "x"], np.full((1, 4), 2.0))
     np.testing.assert_array_equal(J["c", "x"], np.full((1, 4), 6.0))
     assert seen == [((2, 4), (1, 4))], seen
+
+
+def test_a_vjp_whose_cotangents_are_constants_is_given_only_their_nonzero_rows():
+    seen = []
+
+    class Scale(distop.DistributedOperator):
+        c: float
+        forward_collectives = vjp_collectives = ("Allreduce",)
+        batched_vjp = True
+        unbatched = "expand_dims"
+
+        def forward(self, comm, x):
+            return self.c * x
+
+        def vjp(self, comm, y_bar, x, out=None):
+            seen.append((self.c, y_bar.shape[0]))
+            return self.c * y_bar
+
+    ops = [Scale(2.0, ordered=True), Scale(3.0, ordered=True)]
+
+    # 5 seeds: the first operator's cotangent is nonzero in row 0 only, the second's in
+    # rows 1 and 3 (fixed by the seeds: constants of the program)
+    def model(x):
+        y, z = ops[0](x), ops[1](x)
+        return {"a": jnp.sum(y), "b": jnp.sum(z), "c": jnp.sum(x * x), "d": jnp.sum(2.0 * z),
+                "e": jnp.sum(x)}
+
+    x0 = np.linspace(0.5, 2.0, 4)
+    problem = distop.Problem(model, {"x": x0})
+    J = problem.compute_totals()
+    reference = distop.Problem(model, {"x": x0}, backend="io_callback").compute_totals()
+    for key in reference:
+        np.testing.assert_array_equal(J[key], reference[key])
+    np.testing.assert_array_equal(J["d", "x"], np.full((1, 4), 6.0))
+    program = next(p for k, p in problem._programs.items() if k[0] == "compute_totals")
+    seeds = problem._seeds(problem.output_names, next(iter(problem._layouts.values())), True)
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64),
+                             {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}, *seeds).jaxpr
+    calls = [m for e in jaxpr.eqns if "call" in e.params
+             for m in getattr(e.params["call"], "members", [e.params["call"]])]
+    # given rows 0..0 and 1..3 of the 5; the second skips row 2 (zero) when it runs
+    assert sorted(c.batch_shape for c in calls if c.phase == "vjp") == [(1,), (3,)], calls
+    seen.clear()
+    problem.compute_totals()
+    assert sorted(seen) == [(2.0, 1), (3.0, 2)], seen
+    # the schedule still shows the whole batch of seeds each call covers
+    assert [e.batch for e in problem.schedule if e.phase == "vjp"] == [(5,), (5,)]
 
 
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 from mpi4py import MPI
 
@@ -73,6 +74,38 @@ class Cube(distop.DistributedOperator):
 
 
 # -- launching MPI jobs ---------------------------------------------------------------
+class RowScale(distop.DistributedOperator):
+    """y = c * x with a batched vjp that records `(c, rows it was given)` in `seen`."""
+
+    c: float
+    seen: list
+    forward_collectives = vjp_collectives = ("Allreduce",)
+    batched_vjp = True
+
+    def __init__(self, c, seen=None):
+        self.c, self.seen, self.comm, self.ordered = c, [] if seen is None else seen, None, True
+
+    def forward(self, comm, x):
+        return self.c * x
+
+    def vjp(self, comm, y_bar, x):
+        self.seen.append((self.c, y_bar.shape[0]))
+        return self.c * y_bar
+
+
+def totals_jaxpr(problem):
+    """**Returns:** the jaxpr of `problem`'s default `compute_totals` program (after
+    distop's rewrites), and the host calls in it (fused calls' members), in order."""
+    program = next(p for k, p in problem._programs.items() if k[0] == "compute_totals")
+    layout = next(iter(problem._layouts.values()))
+    seeds = problem._seeds(problem.output_names, layout, True)
+    point = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in problem._point.items()}
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), point, *seeds).jaxpr
+    calls = [m for e in jaxpr.eqns if "call" in e.params
+             for m in getattr(e.params["call"], "members", [e.params["call"]])]
+    return jaxpr, calls
+
+
 def mpiexec():
     """**Returns:** the `mpiexec` beside this Python (the mpich wheel's), else on PATH."""
     here = pathlib.Path(sys.executable).parent / "mpiexec"

@@ -16,7 +16,14 @@ import distop
 
 jax.config.update("jax_enable_x64", True)
 import distributed_matvec as dm  # noqa: E402
-from helpers import Cube, RankSum, ScaledSum, all_close_everywhere, run_cases  # noqa: E402
+from helpers import (  # noqa: E402
+    Cube,
+    RankSum,
+    ScaledSum,
+    all_close_everywhere,
+    run_cases,
+    totals_jaxpr,
+)
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
@@ -270,13 +277,7 @@ def vjps_are_given_the_rows_some_rank_needs_on_every_rank():
     weight = size * (size + 1) / 2
     for i, c in enumerate((1, 2, 3)):
         all_close_everywhere(comm, J[f"f{i}", "x"], np.full((1, 2), c * weight))
-    program = next(p for k, p in problem._programs.items() if k[0] == "compute_totals")
-    seeds = problem._seeds(problem.output_names, next(iter(problem._layouts.values())), True)
-    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64),
-                             {"x": jax.ShapeDtypeStruct((2,), np.float64)}, *seeds).jaxpr
-    batches = sorted(m.batch_shape for e in jaxpr.eqns if "call" in e.params
-                     for m in getattr(e.params["call"], "members", [e.params["call"]])
-                     if m.phase == "vjp")
+    batches = sorted(c.batch_shape for c in totals_jaxpr(problem)[1] if c.phase == "vjp")
     assert batches == ([(1,)] * 3 if size == 1 else [(2,)] * 3), batches
 
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Cube
+from helpers import Cube, RowScale, totals_jaxpr
 
 import distop
 
@@ -394,17 +394,15 @@ def test_a_reverse_sweep_from_several_outputs_of_one_vector_is_folded(matvec):
     reference = distop.Problem(model, {"x": x0}, backend="io_callback").compute_totals()
     for key in reference:
         np.testing.assert_allclose(J[key], reference[key], rtol=1e-14)
-    program = next(p for k, p in lean._programs.items() if k[0] == "compute_totals")
-    spec = {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}
-    seeds = lean._seeds(lean.output_names, next(iter(lean._layouts.values())), True)
-    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), spec, *seeds).jaxpr
+    jaxpr = totals_jaxpr(lean)[0]
     # the seeds' split into the outputs' cotangents, and their way back through the
-    # model's last steps, are constants of the program; what pads are left put each
-    # VJP's one row back in place
-    assert not {"mul", "slice"} & {e.primitive.name for e in jaxpr.eqns}
+    # model's last steps, are constants of the program; each VJP computes its one row,
+    # and one concatenation puts them in place (no sum of padded rows)
+    assert not {"pad", "mul", "slice", "add_any"} & {e.primitive.name for e in jaxpr.eqns}
     made = {v for e in jaxpr.eqns if "call" in e.params for v in e.outvars}
-    pads = [e for e in jaxpr.eqns if e.primitive.name == "pad"]
-    assert len(pads) == len(w) and all(e.invars[0] in made for e in pads), pads
+    joins = [e for e in jaxpr.eqns if e.primitive.name == "concatenate"]
+    assert len(joins) == 1 and len(joins[0].invars) == len(w), joins
+    assert all(v in made and v.aval.shape == (1, len(x0)) for v in joins[0].invars), joins
 
 
 _INLINE_SCRIPT = """
@@ -489,21 +487,7 @@ def test_a_vjp_on_rows_that_are_not_contiguous_leaves_zeros_between_them():
 
 def test_a_vjp_whose_cotangents_are_constants_is_given_only_their_nonzero_rows():
     seen = []
-
-    class Scale(distop.DistributedOperator):
-        c: float
-        forward_collectives = vjp_collectives = ("Allreduce",)
-        batched_vjp = True
-        unbatched = "expand_dims"
-
-        def forward(self, comm, x):
-            return self.c * x
-
-        def vjp(self, comm, y_bar, x, out=None):
-            seen.append((self.c, y_bar.shape[0]))
-            return self.c * y_bar
-
-    ops = [Scale(2.0, ordered=True), Scale(3.0, ordered=True)]
+    ops = [RowScale(2.0, seen), RowScale(3.0, seen)]
 
     # 5 seeds: the first operator's cotangent is nonzero in row 0 only, the second's in
     # rows 1 and 3 (fixed by the seeds: constants of the program)
@@ -512,26 +496,41 @@ def test_a_vjp_whose_cotangents_are_constants_is_given_only_their_nonzero_rows()
         return {"a": jnp.sum(y), "b": jnp.sum(z), "c": jnp.sum(x * x), "d": jnp.sum(2.0 * z),
                 "e": jnp.sum(x)}
 
-    x0 = np.linspace(0.5, 2.0, 4)
+    problem = _same_totals_as_io_callback(model, np.linspace(0.5, 2.0, 4))
+    _, calls = totals_jaxpr(problem)
+    # given rows 0..0 and 1..3 of the 5; the second skips row 2 (zero) when it runs
+    assert sorted(c.batch_shape for c in calls if c.phase == "vjp") == [(1,), (3,)], calls
+    seen.clear()
+    J = problem.compute_totals()
+    assert sorted(seen) == [(2.0, 1), (3.0, 2)], seen
+    np.testing.assert_array_equal(J["d", "x"], np.full((1, 4), 6.0))
+    # the schedule still shows the whole batch of seeds each call covers
+    assert [e.batch for e in problem.schedule if e.phase == "vjp"] == [(5,), (5,)]
+
+
+def test_vjp_rows_that_overlap_are_added_not_placed():
+    ops = [RowScale(2.0), RowScale(3.0)]
+
+    def model(x):  # rows 0-1 of the seeds reach the first operator, rows 1-2 the second
+        y, z = ops[0](x), ops[1](x)
+        return {"a": jnp.sum(y), "b": jnp.sum(y) + jnp.sum(z), "c": jnp.sum(z),
+                "d": jnp.sum(x)}
+
+    problem = _same_totals_as_io_callback(model, np.linspace(0.5, 2.0, 3))
+    np.testing.assert_array_equal(problem.compute_totals()["b", "x"], np.full((1, 3), 5.0))
+    names = [e.primitive.name for e in totals_jaxpr(problem)[0].eqns]
+    assert names.count("pad") == 2 and "concatenate" not in names, names
+
+
+def _same_totals_as_io_callback(model, x0):
+    """**Returns:** a lean Problem of `model` at x0, after checking that its
+    `compute_totals` gives the io_callback backend's results bit for bit."""
     problem = distop.Problem(model, {"x": x0})
     J = problem.compute_totals()
     reference = distop.Problem(model, {"x": x0}, backend="io_callback").compute_totals()
     for key in reference:
         np.testing.assert_array_equal(J[key], reference[key])
-    np.testing.assert_array_equal(J["d", "x"], np.full((1, 4), 6.0))
-    program = next(p for k, p in problem._programs.items() if k[0] == "compute_totals")
-    seeds = problem._seeds(problem.output_names, next(iter(problem._layouts.values())), True)
-    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64),
-                             {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}, *seeds).jaxpr
-    calls = [m for e in jaxpr.eqns if "call" in e.params
-             for m in getattr(e.params["call"], "members", [e.params["call"]])]
-    # given rows 0..0 and 1..3 of the 5; the second skips row 2 (zero) when it runs
-    assert sorted(c.batch_shape for c in calls if c.phase == "vjp") == [(1,), (3,)], calls
-    seen.clear()
-    problem.compute_totals()
-    assert sorted(seen) == [(2.0, 1), (3.0, 2)], seen
-    # the schedule still shows the whole batch of seeds each call covers
-    assert [e.batch for e in problem.schedule if e.phase == "vjp"] == [(5,), (5,)]
+    return problem
 
 
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])

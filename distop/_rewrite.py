@@ -418,12 +418,18 @@ def _identity_product(eqn, identities):
 
 
 # -- values known before the program runs ----------------------------------------------
-FOLD_LIMIT = 1 << 18  # elements: the largest value computed ahead of the program
-FOLD_BUDGET = 1 << 22  # elements (32 MiB of float64): all of them together; the
-# matvec's forward variant unrolled at K=64 needs 1.6e6 (its 4096 cotangents of 400)
+FOLD_LIMIT = 1 << 21  # elements (16 MiB of float64): the largest value computed ahead
+# of the program; the matvec's forward variant at K=64 multiplies its seeds, broadcast
+# to (64, 64, 400), by W: 1.6e6
+FOLD_BUDGET = 1 << 22  # elements (32 MiB of float64): the values the program receives,
+# all of them together; the forward variant unrolled at K=64 needs 1.6e6 (its 4096
+# cotangents of 400)
+FOLD_SPEND = 1 << 24  # elements: all values computed ahead, kept or not (held until
+# the folding ends); past it, the rest is left to the program
 
 
-def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
+def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET,
+               spend=FOLD_SPEND):
     """The program with what it computes from `identities` alone computed once, now.
 
     A reverse sweep over unit seeds starts with operations on the seeds only: splitting
@@ -444,6 +450,8 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     - `limit`: the most elements an operation may produce to be evaluated here.
     - `budget`: the most elements of values the program may receive as constants; with
       more, nothing is folded.
+    - `spend`: the most elements of all values computed here; the operations after it
+      is reached stay in the program.
 
     **Returns:** the rewritten `ClosedJaxpr` (where a folded value is an identity matrix
     again, its products dropped too: see `drop_identity_products`), or None if nothing
@@ -457,11 +465,13 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET):
     env = dict(known)  # every value computed here (constants: as the program has them)
     env.update(zip(jaxpr.constvars, closed_jaxpr.consts))
     seeded, kept = set(known), []  # seeded: values that depend on a known input
+    spent = sum(value.size for value in known.values())
     for eqn in jaxpr.eqns:
         found = None
-        if all(isinstance(v, Literal) or v in env for v in eqn.invars):
+        if spent <= spend and all(isinstance(v, Literal) or v in env for v in eqn.invars):
             found = _evaluate(eqn, [_value(env, v) for v in eqn.invars], limit)
         if found is not None:
+            spent += sum(np.size(value) for value in found)
             env.update(zip(eqn.outvars, found))
             if any(v in seeded for v in _vars(eqn.invars)):
                 seeded.update(eqn.outvars)

@@ -320,6 +320,12 @@ def test_values_known_before_the_program_runs_are_computed_once_exactly():
                for v, c in zip(folded.jaxpr.constvars, folded.consts))
     assert _rewrite.fold_known(closed, set()) is None
     assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, budget=8) is None
+    # once `spend` elements are computed, the rest stays in the program, values the same
+    thrifty = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, limit=200, spend=12)
+    assert len(folded.jaxpr.eqns) < len(thrifty.jaxpr.eqns) < len(closed.jaxpr.eqns) + 1
+    for a, b in zip(jax.jit(jaxpr_as_fun(thrifty))(unit, x),
+                    jax.jit(jaxpr_as_fun(closed))(unit, x)):
+        np.testing.assert_array_equal(a, b)
     # an identity larger than an operation may produce is never made
     assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, limit=8) is None
 

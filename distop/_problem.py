@@ -1,6 +1,8 @@
 """`Problem`: trace a model of jax.numpy and operators into checked, jitted entry points."""
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import math
 import os
@@ -413,8 +415,9 @@ class Problem:
         key = (local, counts)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = self._new_layout(point, dict(zip(dist_inputs,
-                                                                            counts)))
+            with _collector_paused():
+                layout = self._layouts[key] = self._new_layout(
+                    point, dict(zip(dist_inputs, counts)))
         return layout
 
     def _new_layout(self, point, counts):
@@ -460,45 +463,51 @@ class Problem:
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
-            if name == "compute_totals":
-                def make_extra():
-                    return self._seeds(options[1], layout)
-                specs = self._seeds(options[1], layout, specs_only=True)
+            with _collector_paused():
+                found = self._new_program(key, name, options, layout, make_extra)
+        return found
+
+    def _new_program(self, key, name, options, layout, make_extra):
+        """Trace, rewrite and agree on a program not built before (see `_program`)."""
+        if name == "compute_totals":
+            def make_extra():
+                return self._seeds(options[1], layout)
+            specs = self._seeds(options[1], layout, specs_only=True)
+        else:
+            specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                 make_extra())
+        pending = self._traced_run if name == "run" else None
+        try:
+            if pending is not None and pending[0] is layout.inputs:
+                self._traced_run = None
+                fn, outputs, jaxpr, traced = pending[1]
             else:
-                specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                     make_extra())
-            pending = self._traced_run if name == "run" else None
-            try:
-                if pending is not None and pending[0] is layout.inputs:
-                    self._traced_run = None
-                    fn, outputs, jaxpr, traced = pending[1]
-                else:
-                    fn, outputs, jaxpr, traced = self._trace(name, options, layout, specs,
-                                                             True)
-            except NotImplementedError as err:
-                if "not supported in vmap" not in str(err):
-                    raise
-                # jax refuses to vmap ordered callbacks inside lax.cond: run the seeds or
-                # perturbations one after another instead, in a loop.
-                if not self._warned_loop:
-                    self._warned_loop = True
-                    warnings.warn(f"{name}: the model has an operator inside lax.cond (or "
-                                  "another construct jax cannot vmap with ordered "
-                                  "callbacks), so seeds and finite-difference perturbations "
-                                  "run in a loop, one per iteration, instead of one batch.",
-                                  stacklevel=3)
                 fn, outputs, jaxpr, traced = self._trace(name, options, layout, specs,
-                                                         False)
-            with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
-                schedule = _schedule.agree(self.comm, name,
-                                           _schedule.extract(jaxpr, traced))
-            checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
-                       and self.comm.Get_size() > 1 else None)
-            calls = _rewrite.lean_calls(jaxpr.jaxpr)
-            found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                                  len(calls))
-            # the lean call sites live as long as the program
-            weakref.finalize(found, _ffi.release, calls)
+                                                         True)
+        except NotImplementedError as err:
+            if "not supported in vmap" not in str(err):
+                raise
+            # jax refuses to vmap ordered callbacks inside lax.cond: run the seeds or
+            # perturbations one after another instead, in a loop.
+            if not self._warned_loop:
+                self._warned_loop = True
+                warnings.warn(f"{name}: the model has an operator inside lax.cond (or "
+                              "another construct jax cannot vmap with ordered "
+                              "callbacks), so seeds and finite-difference perturbations "
+                              "run in a loop, one per iteration, instead of one batch.",
+                              stacklevel=3)
+            fn, outputs, jaxpr, traced = self._trace(name, options, layout, specs,
+                                                     False)
+        with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
+            schedule = _schedule.agree(self.comm, name,
+                                       _schedule.extract(jaxpr, traced))
+        checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
+                   and self.comm.Get_size() > 1 else None)
+        calls = _rewrite.lean_calls(jaxpr.jaxpr)
+        found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
+                                              len(calls))
+        # the lean call sites live as long as the program
+        weakref.finalize(found, _ffi.release, calls)
         return found
 
     def _trace(self, name, options, layout, specs, vectorize):
@@ -692,6 +701,21 @@ class Problem:
                 raise ValueError(f"{method}({arg}={names!r}): {kind} {n!r} is not "
                                  "floating point, so it has no derivative.")
         return tuple(names)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while a program is traced: tracing makes
+    hundreds of thousands of objects, and the collector would walk every live one again
+    and again (a model of 2000 operator calls traced in 2.35 s instead of 2.82). What is
+    garbage is collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclasses.dataclass(frozen=True)

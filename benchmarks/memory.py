@@ -5,9 +5,12 @@ the growth of each rank's peak RSS over its baseline after imports (so the data 
 variant builds, the same for all, counts too), for `run` and then `compute_totals`,
 distop against the hand-written numpy + mpi4py script. distop keeps one private copy of
 each numpy input (the caller may change its arrays afterwards; JAX array inputs are
-shared, not copied) and pays XLA's start-up (about 50 MiB, plus about 10 per program). Each variant runs in its own `mpiexec` job (peak RSS only grows), and the
-table shows the max over ranks. Options: --ranks P (default 2), --size M (default
-1000000), --objectives K (default 16), --calls N (default 3).
+shared, not copied) and pays XLA's start-up (about 50 MiB, plus about 10 per program).
+Each variant runs in its own `mpiexec` job (peak RSS only grows), and the table shows
+the max over ranks. `setup`: the growth once the data is made (and, for distop, the
+Problem created: its copies of the inputs made, its programs traced), before any call;
+`run`, `compute_totals`: after the calls of each. Options: --ranks P (default 2), --size
+M (default 1000000), --objectives K (default 16), --calls N (default 3).
 """
 
 import argparse
@@ -47,6 +50,7 @@ def worker(variant, size, objectives, calls):
     w = np.random.default_rng(7).standard_normal((objectives, size))
     growth = {}
     if variant == "hand":
+        growth["setup"] = peak_mib() - base
         for _ in range(calls):
             hand_written(a_local, w, x0, gradients=False)
         growth["run"] = peak_mib() - base
@@ -58,6 +62,7 @@ def worker(variant, size, objectives, calls):
         # W is an input, not a constant the program would embed (a copy per program).
         problem = distop.Problem(lambda x, w: {"f": w @ op(x)}, {"x": x0, "w": w},
                                  backend="io_callback" if variant == "io_callback" else "lean")
+        growth["setup"] = peak_mib() - base
         for _ in range(calls):
             problem.run()
         growth["run"] = peak_mib() - base
@@ -95,7 +100,7 @@ def main():
     names = {"hand": "hand", "distop": "distop", "io_callback": "io_cb"}
     print(f"{'entry':<16}" + "".join(f"{n:>10}" for n in names.values())
           + "".join(f"{n + '/hand':>12}" for n in list(names.values())[1:]))
-    for entry in ("run", "compute_totals"):
+    for entry in ("setup", "run", "compute_totals"):
         r = {v: results[v][entry] for v in results}
         print(f"{entry:<16}" + "".join(f"{r[v]:>10.1f}" for v in names)
               + "".join(f"{r[v] / r['hand']:>12.2f}" for v in list(names)[1:]))

@@ -97,8 +97,10 @@ _KEPT = 8  # views kept per slot: XLA cycles its buffers through a few addresses
 
 class _Slot:
     """One argument or result of a call site: its dtype and shape (fixed per call site)
-    and numpy views of the buffers XLA has passed there, by address. Making a view costs
-    microseconds (ctypes, numpy); finding one made before costs a dict lookup."""
+    and numpy arrays of the buffers XLA has passed there, by address. Making one costs
+    microseconds (ctypes, numpy); each call gets a fresh view of the one made before
+    (a method that reshapes its argument in place changes only its own view; a view of
+    a read-only array cannot be made writeable)."""
 
     __slots__ = ("dtype", "raw", "shape", "views", "writeable")
 
@@ -120,7 +122,7 @@ class _Slot:
             view = np.frombuffer(self.raw.from_address(data), self.dtype).reshape(self.shape)
             view.flags.writeable = self.writeable
             self.views[data] = view
-        return view
+        return view.view()
 
 
 def _plan(values, size, writeable):

@@ -667,11 +667,15 @@ def known_rows(closed_jaxpr):
     """
     jaxpr = closed_jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+    # A call whose results another call reads as they are keeps its rows: narrowing it
+    # would change which calls fusion may join, agreed on the program as it is. (Left
+    # out here, it is left out on every rank: only calls every rank finds are narrowed.)
+    read_by_calls = {v for e in jaxpr.eqns if _lean(e) for v in e.invars[1:]}
     found = {}
     for position, eqn in enumerate(e for e in jaxpr.eqns if _lean(e)
                                    and e.params["call"].phase != "forward"):
         call, args = eqn.params["call"], eqn.invars[1:]
-        if not call.skippable or not all(
+        if not call.skippable or any(v in read_by_calls for v in eqn.outvars[1:]) or not all(
                 isinstance(a, Var) and a in consts
                 for a, levels in zip(args, call.levels) if levels[0]):
             continue
@@ -698,9 +702,6 @@ def narrow(closed_jaxpr, spans):
     """
     jaxpr = closed_jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
-    # (a call whose results another call reads as they are stays: that would change
-    # which calls fusion may join, agreed on the program as it was)
-    read_by_calls = {v for e in jaxpr.eqns if _lean(e) for v in e.invars[1:]}
     eqns, added, placed, position = [], {}, {}, -1
     for eqn in jaxpr.eqns:
         call = eqn.params.get("call")
@@ -710,8 +711,7 @@ def narrow(closed_jaxpr, spans):
         position += 1
         start, stop = spans.get(position, (0, 0))
         n = call.batch_shape[0] if call.batch_shape else 0
-        if (not 0 <= start < stop <= n or stop - start == n
-                or any(v in read_by_calls for v in eqn.outvars[1:])):
+        if not 0 <= start < stop <= n or stop - start == n:
             eqns.append(eqn)
             continue
         invars = [eqn.invars[0]]
@@ -743,11 +743,14 @@ def narrow(closed_jaxpr, spans):
 
 
 def _placed_sums(eqns, placed, outvars, added):
-    """`eqns` with every sum (`add_any`, as reverse mode accumulates cotangents) of
-    padded results whose rows do not overlap made one concatenation of them, with zero
-    blocks between: XLA's CPU code evaluates pads inside a fused sum element by element,
-    every pad at every element (16 padded rows of 400 took 150 us, their concatenation
-    7 us). Its zero blocks become constants in `added`.
+    """`eqns` with every sum (`add_any`, as reverse mode accumulates cotangents) made of
+    padded results alone, whose rows do not overlap, made one concatenation of them
+    with zero blocks between: XLA's CPU code evaluates pads inside a fused sum element
+    by element, every pad at every element (16 padded rows of 400 took 150 us, their
+    concatenation 7 us). Such a sum adds nothing but zeros to each value, so its values
+    are the same (a zero may change sign); a sum with other terms keeps its order (and
+    so its rounding), with only its part of padded results alone replaced. Its zero blocks become constants in
+    `added`.
 
     **Arguments:**
     - `eqns`: the equations, with the pads `narrow` made.
@@ -756,66 +759,42 @@ def _placed_sums(eqns, placed, outvars, added):
     - `added`: new constants (variable -> value), updated with the zero blocks.
     """
     results = set(_vars(outvars))
-    uses = {}
+    uses, made = {}, {v: e for e in eqns for v in e.outvars}
     for v in [v for e in eqns for v in _vars(e.invars)]:
         uses[v] = uses.get(v, 0) + 1
-    made = {v: e for e in eqns for v in e.outvars}
-    summed = {v for e in eqns if e.primitive.name == "add_any" for v in e.invars}
-    # a term of one sum only: a sum it feeds is part of that sum
-    term = {v for v in summed if uses[v] == 1 and v not in results}
 
-    def leaves(v):
-        eqn = made.get(v)
-        if v in term and eqn is not None and eqn.primitive.name == "add_any":
-            found, inner = [], [eqn]
-            for w in eqn.invars:
-                more, nodes = leaves(w)
-                found += more
-                inner += nodes
-            return found, inner
-        return [v], []
+    def only_here(v):  # read once, by a sum: it may go into that sum's concatenation
+        return isinstance(v, Var) and uses.get(v) == 1 and v not in results
 
-    gone, replace = set(), {}
+    parts, inner, within = {}, {}, set()  # sum's result -> its padded parts, its sums
     for eqn in eqns:
-        if eqn.primitive.name != "add_any" or eqn.outvars[0] in term:
-            continue  # not the whole of a sum
-        root = eqn.outvars[0]
-        found, inner = [], []
-        for v in eqn.invars:
-            more, nodes = leaves(v)
-            found += more
-            inner += nodes
-        parts = sorted(((placed[v][1], v) for v in found if isinstance(v, Var)
-                        and v in placed and uses[v] == 1 and v not in results),
-                       key=lambda p: p[0])
-        spans = [(start, start + placed[v][0].aval.shape[0]) for start, v in parts]
-        if len(parts) < 2 or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        if eqn.primitive.name != "add_any" or not all(
+                only_here(v) and (v in placed or v in parts) for v in eqn.invars):
             continue
-        aval = root.aval
-        pieces, at = [], 0
-        for (start, stop), (_, v) in zip(spans, parts):
+        out = eqn.outvars[0]
+        parts[out] = [p for v in eqn.invars for p in parts.get(v, [v])]
+        inner[out] = [eqn] + [e for v in eqn.invars for e in inner.get(v, [])]
+        within.update(v for v in eqn.invars if v in parts)
+    gone, replace = set(), {}
+    for out, padded in parts.items():
+        spans = sorted(((placed[v][1], placed[v][1] + placed[v][0].aval.shape[0], v)
+                        for v in padded), key=lambda span: span[:2])
+        if out in within or any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+            continue  # part of a larger such sum, or rows that overlap
+        aval, pieces, at = out.aval, [], 0
+        for start, stop, v in spans + [(aval.shape[0], aval.shape[0], None)]:
             if start > at:
                 zeros = Var(ShapedArray((start - at,) + aval.shape[1:], aval.dtype))
                 added[zeros] = np.zeros(zeros.aval.shape, aval.dtype)
                 pieces.append(zeros)
-            pieces.append(placed[v][0])
+            if v is not None:
+                pieces.append(placed[v][0])
+                gone.add(id(made[v]))
             at = stop
-        if at < aval.shape[0]:
-            zeros = Var(ShapedArray((aval.shape[0] - at,) + aval.shape[1:], aval.dtype))
-            added[zeros] = np.zeros(zeros.aval.shape, aval.dtype)
-            pieces.append(zeros)
-        chosen = {id(v) for _, v in parts}
-        rest = [v for v in found if id(v) not in chosen]
-        total = Var(aval) if rest else root
-        new = [new_jaxpr_eqn(pieces, [total], lax.concatenate_p, {"dimension": 0}, set())]
-        for i, v in enumerate(rest):
-            out = root if i == len(rest) - 1 else Var(aval)
-            new.append(new_jaxpr_eqn([total, v], [out], eqn.primitive, {}, set()))
-            total = out
-        gone.update(id(made[v]) for _, v in parts)
-        gone.update(id(e) for e in inner)
-        replace[id(eqn)] = new
-    return [n for e in eqns if id(e) not in gone for n in replace.get(id(e), [e])]
+        gone.update(id(e) for e in inner[out])
+        replace[id(inner[out][0])] = new_jaxpr_eqn(pieces, [out], lax.concatenate_p,
+                                                   {"dimension": 0}, set())
+    return [replace.get(id(e), e) for e in eqns if id(e) not in gone or id(e) in replace]
 
 
 def lean_calls(jaxpr):

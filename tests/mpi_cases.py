@@ -282,6 +282,50 @@ def vjps_are_given_the_rows_some_rank_needs_on_every_rank():
 
 
 @case("core")
+def calls_given_rows_alike_where_ranks_build_different_programs():
+    seen = []
+
+    class Shared(distop.DistributedOperator):
+        """y = c * s replicated; its vjp Allreduces its whole batch of cotangents."""
+
+        c: float
+        forward_collectives = vjp_collectives = ("Allreduce",)
+        batched_vjp = True
+
+        def forward(self, comm, s):
+            return self.c * s
+
+        def vjp(self, comm, y_bar, s):
+            seen.append((self.c, y_bar.shape))
+            out = np.empty_like(y_bar)
+            comm.Allreduce(np.ascontiguousarray(y_bar), out, op=MPI.SUM)
+            return self.c * out / comm.Get_size()
+
+    first, second = Shared(2.0), Shared(3.0)
+
+    def model(x, w):
+        y = first(x)
+        z = second(y)
+        out = {"a": jnp.sum(x), "c": z[0], "d": z[1] + z[2]}
+        # only ranks holding rows of w add a term in y: there, the second call's
+        # cotangent reaches the first through a sum; elsewhere, directly
+        out["e"] = jnp.sum(y) * jnp.sum(w) if w.shape[0] else jnp.sum(w)
+        return out
+
+    w = np.ones(1) if rank == 0 else np.zeros(0)
+    problem = distop.Problem(model, {"x": np.array([1.0, 2.0, 3.0]), "w": w},
+                             distributed=["w"], backend="lean")
+    J = problem.compute_totals(wrt="x")
+    # the same rows everywhere, so every Allreduce meets its partners
+    assert comm.allgather(seen) == [seen] * size, seen
+    reference = distop.Problem(model, {"x": np.array([1.0, 2.0, 3.0]), "w": w},
+                               distributed=["w"], backend="io_callback")
+    R = reference.compute_totals(wrt="x")
+    for key in R:
+        all_close_everywhere(comm, J[key], R[key])
+
+
+@case("core")
 def a_long_chain_runs_in_segments_with_every_collective_once_in_order():
     from distop import _rewrite
 

@@ -528,6 +528,38 @@ def test_vjp_rows_that_overlap_are_added_not_placed():
     assert names.count("pad") == 2 and "concatenate" not in names, names
 
 
+def test_sums_with_other_terms_keep_their_order_and_rounding():
+    ops = [RowScale(0.1), RowScale(0.7)]
+
+    def model(x):  # each operator's row, padded, is summed with terms of x
+        y, z = ops[0](x), ops[1](x)
+        return {"a": jnp.sum(y) + jnp.sum(jnp.sin(x)) + jnp.sum(x * x * 1.3)
+                + jnp.sum(jnp.exp(x)), "b": jnp.sum(z) + jnp.sum(jnp.cos(x))}
+
+    lean = _same_totals_as_io_callback(model, np.array([0.3, 1.7, 2.9, 4.1]))
+    reference = distop.Problem(model, {"x": lean._point["x"]}, backend="io_callback")
+    for x in np.random.default_rng(0).standard_normal((20, 4)) * 10:
+        lean.run(x=x)
+        reference.run(x=x)
+        J, R = lean.compute_totals(), reference.compute_totals()
+        for key in R:
+            np.testing.assert_array_equal(J[key], R[key])
+
+
+def test_a_method_that_reshapes_its_argument_changes_no_later_call():
+    class Flat(distop.DistributedOperator):
+        def forward(self, comm, x):
+            rows = x.shape[0]
+            x.shape = (x.size,)  # numpy reshapes this view in place
+            return (rows * x).reshape(2, 2)
+
+    op = Flat()
+    x0 = np.arange(4.0).reshape(2, 2)
+    problem = distop.Problem(lambda x: {"y": op(x)}, {"x": x0})
+    for _ in range(3):
+        np.testing.assert_array_equal(problem.run(x=x0)["y"], 2 * x0)
+
+
 def _same_totals_as_io_callback(model, x0):
     """**Returns:** a lean Problem of `model` at x0, after checking that its
     `compute_totals` gives the io_callback backend's results bit for bit."""

@@ -749,8 +749,8 @@ def _placed_sums(eqns, placed, outvars, added):
     by element, every pad at every element (16 padded rows of 400 took 150 us, their
     concatenation 7 us). Such a sum adds nothing but zeros to each value, so its values
     are the same (a zero may change sign); a sum with other terms keeps its order (and
-    so its rounding), with only its part of padded results alone replaced. Its zero blocks become constants in
-    `added`.
+    so its rounding), with only its part of padded results alone replaced. Its zero
+    blocks become constants in `added`.
 
     **Arguments:**
     - `eqns`: the equations, with the pads `narrow` made.

@@ -73,7 +73,6 @@ class Cube(distop.DistributedOperator):
         return 3 * x ** 2 * y_bar
 
 
-# -- launching MPI jobs ---------------------------------------------------------------
 class RowScale(distop.DistributedOperator):
     """y = c * x with a batched vjp that records `(c, rows it was given)` in `seen`."""
 
@@ -106,6 +105,7 @@ def totals_jaxpr(problem):
     return jaxpr, calls
 
 
+# -- launching MPI jobs ---------------------------------------------------------------
 def mpiexec():
     """**Returns:** the `mpiexec` beside this Python (the mpich wheel's), else on PATH."""
     here = pathlib.Path(sys.executable).parent / "mpiexec"

@@ -74,7 +74,9 @@ class Cube(distop.DistributedOperator):
 
 
 class RowScale(distop.DistributedOperator):
-    """y = c * x with a batched vjp that records `(c, rows it was given)` in `seen`."""
+    """y = c * x with a batched vjp that records `(c, rows it was given)` in `seen` and
+    sums its whole batch over the ranks (one Allreduce: ranks passing different rows
+    to it fail)."""
 
     c: float
     seen: list
@@ -89,7 +91,9 @@ class RowScale(distop.DistributedOperator):
 
     def vjp(self, comm, y_bar, x):
         self.seen.append((self.c, y_bar.shape[0]))
-        return self.c * y_bar
+        total = np.empty_like(y_bar)
+        comm.Allreduce(np.ascontiguousarray(y_bar), total, op=MPI.SUM)
+        return self.c * total / comm.Get_size()  # (replicated cotangents: c * y_bar)
 
 
 def totals_jaxpr(problem):

@@ -19,6 +19,7 @@ import distributed_matvec as dm  # noqa: E402
 from helpers import (  # noqa: E402
     Cube,
     RankSum,
+    RowScale,
     ScaledSum,
     all_close_everywhere,
     run_cases,
@@ -284,24 +285,7 @@ def vjps_are_given_the_rows_some_rank_needs_on_every_rank():
 @case("core")
 def calls_given_rows_alike_where_ranks_build_different_programs():
     seen = []
-
-    class Shared(distop.DistributedOperator):
-        """y = c * s replicated; its vjp Allreduces its whole batch of cotangents."""
-
-        c: float
-        forward_collectives = vjp_collectives = ("Allreduce",)
-        batched_vjp = True
-
-        def forward(self, comm, s):
-            return self.c * s
-
-        def vjp(self, comm, y_bar, s):
-            seen.append((self.c, y_bar.shape))
-            out = np.empty_like(y_bar)
-            comm.Allreduce(np.ascontiguousarray(y_bar), out, op=MPI.SUM)
-            return self.c * out / comm.Get_size()
-
-    first, second = Shared(2.0), Shared(3.0)
+    first, second = RowScale(2.0, seen), RowScale(3.0, seen)
 
     def model(x, w):
         y = first(x)

@@ -194,17 +194,17 @@ class HostCall:
                 comm = self.comm
                 if self.checker is not None:
                     comm = _safety.CheckedComm(self.comm, self.checker, self.where)
-                offer = out is not None and self.takes_out
-                if rows is False:
-                    rows = self._nonzero_rows(args)
                 if not self.batch_shape:
-                    results = self._check(self._invoke(args, comm, offer and out), ())
-                elif rows is not None:
-                    results = self._call_some_rows(args, rows, comm, out)
-                elif self.batched:
-                    results = self._call_batched(args, comm, offer and out)
+                    results = self._check(self._invoke(args, comm, out), ())
                 else:
-                    results = self._call_rows(args, comm)
+                    if rows is False:
+                        rows = self._nonzero_rows(args)
+                    if rows is not None:
+                        results = self._call_some_rows(args, rows, comm, out)
+                    elif self.batched:
+                        results = self._call_batched(args, comm, out)
+                    else:
+                        results = self._call_rows(args, comm)
                 if self.checker is not None:
                     self._check_declared(comm.issued)
                     self.checker.agree(("finished", self.where))
@@ -223,13 +223,14 @@ class HostCall:
 
     # -- helpers --------------------------------------------------------------------
     def _invoke(self, args, comm, out=None):
-        """Call the user method; `out`: result buffers to offer (`out=`), if any: one
-        array, or a tuple in the order the method returns its results (None for
-        results of integer dtype)."""
+        """Call the user method; `out`: XLA's result buffers, offered (`out=`) to a method
+        that takes them: one array, or a tuple in the order the method returns its
+        results (None for results of integer dtype)."""
         args = [np.asarray(a, order="C") for a in args]
-        kwargs = self.kwargs
         if self.takes_out:
-            kwargs = {**kwargs, "out": self._user_out(out) if out else None}
+            kwargs = {**self.kwargs, "out": self._user_out(out) if out else None}
+        else:
+            kwargs = self.kwargs
         if self.phase == "forward" or self.n_slots == self.n_linear == 1:
             # the inputs, or one (co)tangent (passed as itself) and the inputs
             return self.function(self.op, comm, *args, **kwargs)
@@ -362,8 +363,8 @@ class HostCall:
 
     def _check(self, result, batch, row=None):
         n = self.n_user_results
-        if n == 1 and not isinstance(result, (tuple, list)):
-            result = (result,)
+        if not isinstance(result, (tuple, list)):
+            result = (result,) if n == 1 else result
         if not isinstance(result, (tuple, list)) or len(result) != n:
             where, what = self._describe(row)
             got = (f"a {type(result).__name__} of length {len(result)}"
@@ -371,25 +372,33 @@ class HostCall:
             raise OperatorError(self._say(
                 f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
                 + ("input" if self.phase == "vjp" else "output")))
-        picks = self.result_picks if self.result_picks is not None else range(n)
         checked = []
-        for k, spec in zip(picks, self.result_specs):
+        for k, shape, dtype in self._expected:
             r = result[k]
-            if r is None:
-                where, what = self._describe(row)
-                raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
-                                              "return zeros for a zero cotangent"))
-            r = np.asarray(r, order="C")
-            shape = batch + spec.shape
-            if r.shape != shape or r.dtype != spec.dtype:
+            if type(r) is not np.ndarray or not r.flags.c_contiguous:
+                if r is None:
+                    where, what = self._describe(row)
+                    raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
+                                                  "return zeros for a zero cotangent"))
+                r = np.asarray(r, order="C")
+            if r.shape != batch + shape or r.dtype != dtype:
                 where, what = self._describe(row)
                 raise OperatorError(self._say(
                     f"returned {what} {k}{where} with shape {r.shape} and dtype "
-                    f"{r.dtype}; expected shape {shape} and dtype {np.dtype(spec.dtype)}"
+                    f"{r.dtype}; expected shape {batch + shape} and dtype {dtype}"
                     + (" (a leading batch axis, as batched_" + self.phase + " = True)"
                        if batch else "")))
             checked.append(r)
         return tuple(checked)
+
+    @functools.cached_property
+    def _expected(self):
+        """Per result XLA receives: (its index among the method's results, its
+        unbatched shape, its dtype)."""
+        picks = self.result_picks if self.result_picks is not None else range(
+            self.n_user_results)
+        return tuple((k, tuple(s.shape), np.dtype(s.dtype))
+                     for k, s in zip(picks, self.result_specs))
 
     def _describe(self, row):
         """**Returns:** (where in the batch, what the results are), for messages."""

@@ -188,6 +188,18 @@ def test_methods_get_read_only_arguments(backend):
     np.testing.assert_array_equal(x0, 1.0)
     np.testing.assert_array_equal(problem._point["x"], 1.0)
 
+    class Unlock(distop.DistributedOperator):
+        def forward(self, comm, x):
+            x.flags.writeable = True  # numpy refuses where the memory is read-only
+            x *= 2.0
+            return x
+
+    problem = distop.Problem(lambda x: {"y": Unlock()(x)}, {"x": x0}, backend=backend)
+    with pytest.raises(distop.OperatorError, match=r"Unlock.forward on rank 0: raised "
+                                                   r"ValueError: cannot set WRITEABLE"):
+        problem.run()
+    np.testing.assert_array_equal(problem._point["x"], 1.0)
+
 
 class SinWithJvp(Sin):
     batched_jvp = True

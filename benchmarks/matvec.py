@@ -111,6 +111,69 @@ def floor_programs(a_local, w, size):
     return jax.jit(run), jax.jit(totals)
 
 
+class OpenMDAOMatvec:
+    """The matvec scenario as an OpenMDAO model, written as its users would: each rank runs
+    its own OpenMDAO problem (`comm=MPI.COMM_SELF`; every rank holds x whole) whose
+    matvec component reduces over the ranks, one Allreduce in `compute` and one per
+    reverse matrix-free product (`compute_jacvec_product`), and an objectives
+    component f = W y with W as its constant partial derivatives. `compute_totals` is
+    OpenMDAO's reverse mode: one linear solve per objective, each with its Allreduce,
+    in the same order on every rank. The interface is `distop.Problem`'s, as far as the
+    benchmarks use it (`run(x=...)`, `compute_totals()`: the K gradients as (1, M)
+    blocks).
+    """
+
+    def __init__(self, a_local, w, x0):
+        import openmdao.api as om
+
+        reduce_comm = comm.Dup()
+        a_t = transpose(a_local)
+
+        class Matvec(om.ExplicitComponent):
+            def setup(self):
+                self.add_input("x", shape=a_local.shape[1])
+                self.add_output("y", shape=a_local.shape[0])
+
+            def compute(self, inputs, outputs):
+                y = np.empty(a_local.shape[0])
+                reduce_comm.Allreduce(a_local @ inputs["x"], y, op=MPI.SUM)
+                outputs["y"] = y
+
+            def compute_jacvec_product(self, inputs, d_inputs, d_outputs, mode):
+                if mode == "rev" and "x" in d_inputs:
+                    total = np.empty(a_local.shape[1])
+                    reduce_comm.Allreduce(a_t @ d_outputs["y"], total, op=MPI.SUM)
+                    d_inputs["x"] += total
+
+        class Objectives(om.ExplicitComponent):
+            def setup(self):
+                self.add_input("y", shape=w.shape[1])
+                self.add_output("f", shape=w.shape[0])
+                self.declare_partials("f", "y", val=w)
+
+            def compute(self, inputs, outputs):
+                outputs["f"] = w @ inputs["y"]
+
+        self.k = w.shape[0]
+        model = om.Group()
+        model.add_subsystem("matvec", Matvec(), promotes=["*"])
+        model.add_subsystem("objectives", Objectives(), promotes=["*"])
+        self.problem = om.Problem(model, comm=MPI.COMM_SELF, reports=False)
+        self.problem.setup(mode="rev", check=False)
+        self.problem.set_val("x", x0)
+        self.problem.final_setup()
+
+    def run(self, x=None):
+        if x is not None:
+            self.problem.set_val("x", x)
+        self.problem.run_model()
+        return {f"f{i}": v for i, v in enumerate(self.problem.get_val("f"))}
+
+    def compute_totals(self, mode=None):
+        grads = self.problem.compute_totals(of=["f"], wrt=["x"])["f", "x"]
+        return {(f"f{i}", "x"): grads[i:i + 1] for i in range(self.k)}
+
+
 def without_watchdog(fn):
     def call():
         watchdog = distop.configure().watchdog

@@ -34,7 +34,12 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
      `err` tells whether its results were right);
    - `mpi4jax`: floor's program with `mpi4jax.allreduce` in place of the callbacks
      (the reverse written out: mpi4jax's transpose of an allreduce is rank-local); its
-     columns are left out, with a note, where mpi4jax is not installed.
+     columns are left out, with a note, where mpi4jax is not installed;
+   - `openmdao`: the same model in OpenMDAO (matvec.py's `OpenMDAOMatvec`: a matvec
+     component with an Allreduce in `compute` and in each reverse matrix-free product),
+     `run_model` and `compute_totals` (reverse mode: one linear solve, so one
+     Allreduce, per objective); like distop, its `compute_totals` returns gradients
+     only. Left out, with a note, where OpenMDAO is not installed.
    `X/Y`: ratio of medians. On 1 rank nothing needs ordering: `io_cb` and `unord` run
    the same unordered callbacks, while `lean` still runs its calls on the token chain
    (fused), as a Problem does whenever an operator is not set to `ordered=False`.
@@ -103,10 +108,10 @@ FULL = {"repeat": 50, "objectives": [1, 16, 64], "ops": [10, 100, 1000, 2000],
         "large_size": 1_000_000}
 QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 100_000],
          "ranks": [1, 2], "timeout": 300, "large_size": 100_000}
-MATVEC = ("hand", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax")
+MATVEC = ("hand", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax", "openmdao")
 MATVEC_ENTRIES = ("run", "compute_totals", "run+totals")
-RATIOS = (("lean", "hand"), ("lean", "floor"), ("lean", "mpi4jax"), ("nofuse", "lean"),
-          ("io_cb", "lean"), ("unord", "lean"))
+RATIOS = (("lean", "hand"), ("lean", "floor"), ("lean", "mpi4jax"), ("openmdao", "lean"),
+          ("nofuse", "lean"), ("io_cb", "lean"), ("unord", "lean"))
 
 
 # -- worker side: runs under mpiexec -------------------------------------------------
@@ -122,7 +127,8 @@ class Bench:
     dm: object  # examples/distributed_matvec.py
     mv: object  # benchmarks/matvec.py
     mpi4jax: object  # the module, or None
-    mpi4jax_note: str | None
+    openmdao: bool  # whether OpenMDAO can be imported
+    missing: list  # notes on the comparisons left out (not installed)
 
     @classmethod
     def start(cls, args):
@@ -132,12 +138,19 @@ class Bench:
 
         import distop
 
+        missing = []
         try:
             import mpi4jax
-            note = None
         except Exception as err:  # noqa: BLE001 - any import failure means "skip"
-            mpi4jax, note = None, f"mpi4jax not available ({type(err).__name__}: {err})"
-        return cls(args, MPI.COMM_WORLD, MPI, distop, dm, mv, mpi4jax, note)
+            mpi4jax = None
+            missing.append(f"mpi4jax not available ({type(err).__name__}: {err})")
+        try:
+            import openmdao.api  # noqa: F401
+            openmdao = True
+        except Exception as err:  # noqa: BLE001 - any import failure means "skip"
+            openmdao = False
+            missing.append(f"openmdao not available ({type(err).__name__}: {err})")
+        return cls(args, MPI.COMM_WORLD, MPI, distop, dm, mv, mpi4jax, openmdao, missing)
 
     def problem(self, model, inputs, *, fuse=True, backend="lean"):
         """A `distop.Problem` with explicit settings (the environment's defaults, such
@@ -250,6 +263,16 @@ def matvec_variants(bench, k):
     if bench.mpi4jax is not None:
         variants["mpi4jax"] = Jitted(*mpi4jax_programs(bench, a_local, w), x0)
     first = {name: v.first_calls(bench.mv) for name, v in variants.items()}
+    if bench.openmdao:
+        made = {}
+
+        def create():
+            made["openmdao"] = bench.mv.OpenMDAOMatvec(a_local, w, x0)
+            made["openmdao"].run()
+
+        first["openmdao"] = [bench.mv.first_call(create),
+                             bench.mv.first_call(lambda: made["openmdao"].compute_totals())]
+        variants["openmdao"] = made["openmdao"]
     options = {"lean": {}, "nofuse": {"fuse": False}, "io_cb": {"backend": "io_callback"},
                "unord": {}}
     for name, kw in options.items():
@@ -283,7 +306,8 @@ def matvec_case(bench, k):
     calls = {"hand": (*hand, hand[1])}
     calls.update({name: timed_calls(v) for name, v in variants.items()})
     return {"K": k, "median": bench.interleaved(calls), "first": first, "error": errors,
-            "calls": {n: host_calls(v) for n, v in variants.items() if not isinstance(v, Jitted)}}
+            "calls": {n: host_calls(v) for n, v in variants.items()
+                      if isinstance(v, bench.distop.Problem)}}
 
 
 def forward_case(bench, counts):
@@ -512,7 +536,7 @@ def worker(args):
     result.update(ranks=bench.comm.Get_size(), seconds=time.perf_counter() - start,
                   jax=jax.__version__, distop=bench.distop.__version__,
                   mpi=" ".join(bench.MPI.Get_library_version().splitlines()[0].split()),
-                  mpi4jax=bench.mpi4jax_note)
+                  missing=bench.missing)
     if bench.comm.Get_rank() == 0:
         print(MARK + json.dumps(result), flush=True)
 
@@ -756,8 +780,8 @@ def notes(results):
     if not every:
         return []
     lines = [f"# jax {every[0]['jax']}, distop {every[0]['distop']}, {every[0]['mpi']}"]
-    lines += sorted({f"# note: {r['mpi4jax']}; its columns are left out"
-                     for r in every if r["mpi4jax"]})
+    lines += sorted({f"# note: {note}; its columns are left out"
+                     for r in every for note in r["missing"]})
     return lines
 
 

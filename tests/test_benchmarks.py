@@ -28,3 +28,23 @@ def test_suite_runs_and_writes_its_tables_and_json(tmp_path):
     overhead = results["results"]["overhead"]
     # the extra job keeps JAX's async dispatch; distop's default turns it off
     assert overhead["1 async"]["async_dispatch"] and not overhead["2"]["async_dispatch"]
+
+
+def test_matvec_section_compares_every_variant_on_the_same_values(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--quick", "--ranks", "2",
+         "--sections", "matvec", "--objectives", "1", "2", "--json", str(out)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lean/hand" in proc.stdout and "openmdao/lean" in proc.stdout, proc.stdout
+    results = json.loads(out.read_text())
+    assert not results["failures"]
+    rows = results["results"]["matvec"]["2"]["rows"]
+    assert [row["K"] for row in rows] == [1, 2]
+    for row in rows:
+        assert {"hand", "floor", "lean", "nofuse", "io_cb", "openmdao"} <= set(row["median"])
+        # every ordered variant, and OpenMDAO, gets the dense reference's values and
+        # gradients (the unordered one may not: that is what it shows)
+        for name in ("floor", "lean", "nofuse", "io_cb", "openmdao"):
+            assert row["error"][name] < 1e-12, (name, row["error"])

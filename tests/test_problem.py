@@ -1,5 +1,7 @@
 """Problem in a single process: run, compute_totals in every mode, names, recompiling."""
 
+import os
+
 import distributed_matvec as dm
 import jax
 import jax.numpy as jnp
@@ -220,6 +222,48 @@ def test_methods_that_take_out_write_straight_into_the_result_buffers():
             assert sorted(seen, key=str) == sorted(expected, key=str), (fuse, seen)
         else:
             assert seen and all(o in (False, None) for _, o in seen), seen
+
+
+
+def _thp_eligible(address):
+    """Whether Linux would back the memory mapping that holds `address` with
+    transparent huge pages (/proc/self/smaps' THPeligible)."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, stop = (int(v, 16) for v in head.split("-"))
+                found = start <= address < stop
+            elif found and line.startswith("THPeligible:"):
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="transparent huge pages are a Linux feature")
+def test_large_result_buffers_get_huge_pages_as_numpy_arrays_do():
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages are off on this machine")
+    seen = []
+
+    class Fill(distop.DistributedOperator):
+        forward_collectives = ("Allreduce",)
+
+        def forward(self, comm, x, out=None):
+            # the first whole 2 MiB page of XLA's buffer, before the method writes to it
+            page = -(-out.ctypes.data // (2 << 20)) * (2 << 20)
+            seen.append((out.nbytes, _thp_eligible(page)))
+            out[...] = x
+            return out
+
+    small, large = np.ones(1 << 10), np.ones(1 << 20)  # 8 KiB, 8 MiB
+    for x0 in (large, small):
+        problem = distop.Problem(lambda x: {"y": Fill()(x)}, {"x": x0})
+        np.testing.assert_array_equal(problem.run()["y"], x0)
+    assert seen[0] == (large.nbytes, True), seen  # (numpy's own arrays: from 4 MiB)
+    assert seen[1][0] == small.nbytes, seen
 
 
 @pytest.mark.parametrize("batched", [True, False])

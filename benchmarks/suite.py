@@ -75,9 +75,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    runs programs above about 1000 flops (`prog 1+dot`, `prog 16 fused`) on a worker
    thread, host calls included.
 
-Sections 1, 3 and 5 run under each of `--ranks` (1 2 4), section 2 under
-`--chain-ranks` (2), section 4 under `--large-ranks` (2). `--quick`: 5 repeats, K 1 16,
-N 10 100, m 8 1e5, M 1e5, ranks 1 2 (about a minute). Other options: --sections,
+Sections 1, 3 and 5 run under each of `--ranks`, section 2 under `--chain-ranks`,
+section 4 under `--large-ranks` (each 1 2 4). `--quick`: 5 repeats, K 1 16, N 10 100,
+m 8 1e5, M 1e5, ranks 1 2 (about a minute). Other options: --sections,
 --size M, --objectives K.., --ops N.., --messages m.., --timeout S (per job; 1800,
 quick 300).
 """
@@ -104,10 +104,11 @@ MARK = "SUITE_JSON "  # prefixes the result line a worker prints on rank 0
 SECTIONS = ("matvec", "chain", "message", "large", "overhead")
 GROUPS = 40  # independent chains in the `groups` model of the chain section
 FULL = {"repeat": 50, "objectives": [1, 16, 64], "ops": [10, 100, 1000, 2000],
-        "messages": [8, 1000, 100_000, 1_000_000], "ranks": [1, 2, 4], "timeout": 1800,
-        "large_size": 1_000_000}
+        "messages": [8, 1000, 100_000, 1_000_000], "ranks": [1, 2, 4], "chain_ranks": [1, 2, 4],
+        "large_ranks": [1, 2, 4], "timeout": 1800, "large_size": 1_000_000}
 QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 100_000],
-         "ranks": [1, 2], "timeout": 300, "large_size": 100_000}
+         "ranks": [1, 2], "chain_ranks": [2], "large_ranks": [2], "timeout": 300,
+         "large_size": 100_000}
 MATVEC = ("hand", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax", "openmdao")
 MATVEC_ENTRIES = ("run", "compute_totals", "run+totals")
 RATIOS = (("lean", "hand"), ("lean", "floor"), ("lean", "mpi4jax"), ("openmdao", "lean"),
@@ -790,8 +791,8 @@ def parse(argv):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--ranks", type=int, nargs="+")
-    parser.add_argument("--chain-ranks", type=int, nargs="+", default=[2])
-    parser.add_argument("--large-ranks", type=int, nargs="+", default=[2])
+    parser.add_argument("--chain-ranks", type=int, nargs="+")
+    parser.add_argument("--large-ranks", type=int, nargs="+")
     parser.add_argument("--large-size", type=lambda s: int(float(s)))
     parser.add_argument("--repeat", type=int)
     parser.add_argument("--size", type=int, default=400)

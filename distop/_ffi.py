@@ -16,6 +16,7 @@ import itertools
 import sys
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 
 TARGET = "distop_host_call"
@@ -26,7 +27,7 @@ _registered = False
 
 _DTYPES = {1: np.bool_, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint8,
            7: np.uint16, 8: np.uint32, 9: np.uint64, 10: np.float16, 11: np.float32,
-           12: np.float64, 15: np.complex64, 18: np.complex128}
+           12: np.float64, 15: np.complex64, 16: jnp.bfloat16, 18: np.complex128}
 _EXECUTE = 3
 _METADATA = 1
 _INTERNAL = 13

@@ -266,6 +266,21 @@ def test_large_result_buffers_get_huge_pages_as_numpy_arrays_do():
     assert seen[1][0] == small.nbytes, seen
 
 
+
+def test_an_operator_on_bfloat16_values_inside_a_model():
+    class Twice(distop.DistributedOperator):
+        forward_collectives = ("Allreduce",)
+
+        def forward(self, comm, x):
+            assert x.dtype == jnp.bfloat16, x.dtype
+            return 2 * x
+
+    problem = distop.Problem(
+        lambda x: {"y": Twice()(x.astype(jnp.bfloat16)).astype(jnp.float64)},
+        {"x": np.arange(3.0)})
+    np.testing.assert_array_equal(problem.run()["y"], [0.0, 2.0, 4.0])
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_vjp_sees_only_the_seed_rows_that_reach_it(batched):
     rows_seen = []

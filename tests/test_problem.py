@@ -266,7 +266,6 @@ def test_large_result_buffers_get_huge_pages_as_numpy_arrays_do():
     assert seen[1][0] == small.nbytes, seen
 
 
-
 def test_an_operator_on_bfloat16_values_inside_a_model():
     class Twice(distop.DistributedOperator):
         forward_collectives = ("Allreduce",)

@@ -106,17 +106,6 @@ _SPACE = {writeable: _memory(_BASE, sys.maxsize - _BASE, 0x200 if writeable else
           for writeable in (False, True)}  # (PyBUF_WRITE, PyBUF_READ)
 
 
-
-def read_only(array):
-    """**Returns:** a read-only view of the C-contiguous `array` that cannot be made
-    writeable (made like the views of XLA's buffers; valid while `array` lives)."""
-    if not array.nbytes:
-        view = array.view()
-        view.flags.writeable = False
-        return view
-    start = array.__array_interface__["data"][0] - _BASE
-    return np.ndarray(array.shape, array.dtype, _SPACE[False][start:start + array.nbytes])
-
 def _huge_pages():
     """**Returns:** a function `advise(address, nbytes)` asking Linux to back the whole
     2 MiB pages of that range with huge pages, or None where it cannot (not Linux, or

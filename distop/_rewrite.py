@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
 
-from . import _ffi, _safety
+from . import _safety
 from ._callback import rows_of
 from ._comm import mpi
 from ._compat import ShapedArray
@@ -119,10 +119,11 @@ class FusedCall:
 
 
 def _read_only(array):
-    """A read-only view, which cannot be made writeable: a member's result, passed to the
-    next, may be XLA's buffer of a program result (methods get read-only arguments
-    everywhere, valid during the call)."""
-    return _ffi.read_only(np.ascontiguousarray(array))
+    """A read-only view: a member's result, passed to the next, may be XLA's buffer of
+    a program result (methods get read-only arguments everywhere)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _lean(eqn):

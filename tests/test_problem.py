@@ -266,27 +266,6 @@ def test_large_result_buffers_get_huge_pages_as_numpy_arrays_do():
     assert seen[1][0] == small.nbytes, seen
 
 
-def test_a_fused_call_passes_results_on_read_only():
-    class Twice(distop.DistributedOperator):
-        forward_collectives = ("Allreduce",)
-
-        def forward(self, comm, x):
-            return 2 * x
-
-    class Unlock(Twice):
-        def forward(self, comm, x):
-            x.flags.writeable = True  # x is Twice's result, in the same host call
-            x[0] = 123.0
-            return x.copy()
-
-    problem = distop.Problem(lambda x: {"y": Unlock()(Twice()(x))}, {"x": np.ones(3)})
-    # one host call runs both: the second reads the first's result as it is
-    assert len({e.group for e in problem.schedule}) == 1, problem.schedule
-    with pytest.raises(distop.OperatorError, match=r"Unlock.forward on rank 0: raised "
-                                                   r"ValueError: cannot set WRITEABLE"):
-        problem.run()
-
-
 def test_an_operator_on_bfloat16_values_inside_a_model():
     class Twice(distop.DistributedOperator):
         forward_collectives = ("Allreduce",)

@@ -146,7 +146,7 @@ class Bench:
             mpi4jax = None
             missing.append(f"mpi4jax not available ({type(err).__name__}: {err})")
         try:
-            import openmdao.api  # noqa: F401
+            import openmdao.api  # (only whether it imports)
             openmdao = True
         except Exception as err:  # noqa: BLE001 - any import failure means "skip"
             openmdao = False
@@ -165,16 +165,21 @@ class Bench:
         **Returns:** `(problem, [Problem creation + first run, first compute_totals])`
         in seconds, max over ranks.
         """
+        return self.first_calls_of(lambda: self.problem(model, inputs, **options), totals)
+
+    def first_calls_of(self, make, totals=True):
+        """As `first_calls`, for any object with `run` and `compute_totals` that `make()`
+        creates (a Problem, or the OpenMDAO model)."""
         made = {}
 
         def create():
-            made["problem"] = self.problem(model, inputs, **options)
-            made["problem"].run()
+            made["it"] = make()
+            made["it"].run()
 
         first = [self.mv.first_call(create)]
         if totals:
-            first.append(self.mv.first_call(made["problem"].compute_totals))
-        return made["problem"], first
+            first.append(self.mv.first_call(made["it"].compute_totals))
+        return made["it"], first
 
     def interleaved(self, calls, repeat=None):
         """Time `calls` (name -> tuple of functions), interleaved call by call, each
@@ -265,15 +270,8 @@ def matvec_variants(bench, k):
         variants["mpi4jax"] = Jitted(*mpi4jax_programs(bench, a_local, w), x0)
     first = {name: v.first_calls(bench.mv) for name, v in variants.items()}
     if bench.openmdao:
-        made = {}
-
-        def create():
-            made["openmdao"] = bench.mv.OpenMDAOMatvec(a_local, w, x0)
-            made["openmdao"].run()
-
-        first["openmdao"] = [bench.mv.first_call(create),
-                             bench.mv.first_call(lambda: made["openmdao"].compute_totals())]
-        variants["openmdao"] = made["openmdao"]
+        variants["openmdao"], first["openmdao"] = bench.first_calls_of(
+            lambda: bench.mv.OpenMDAOMatvec(a_local, w, x0))
     options = {"lean": {}, "nofuse": {"fuse": False}, "io_cb": {"backend": "io_callback"},
                "unord": {}}
     for name, kw in options.items():

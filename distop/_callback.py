@@ -243,10 +243,8 @@ class HostCall:
     def _user_out(self, out):
         if self.n_user_results == 1 and len(out) == 1:
             return out[0]
-        picks = self.result_picks if self.result_picks is not None else range(
-            self.n_user_results)
         every = [None] * self.n_user_results
-        for k, buffer in zip(picks, out):
+        for (k, _, _), buffer in zip(self._expected, out):
             every[k] = buffer
         return every[0] if self.n_user_results == 1 else tuple(every)
 
@@ -395,8 +393,7 @@ class HostCall:
     def _expected(self):
         """Per result XLA receives: (its index among the method's results, its
         unbatched shape, its dtype)."""
-        picks = self.result_picks if self.result_picks is not None else range(
-            self.n_user_results)
+        picks = range(self.n_user_results) if self.result_picks is None else self.result_picks
         return tuple((k, tuple(s.shape), np.dtype(s.dtype))
                      for k, s in zip(picks, self.result_specs))
 

@@ -21,6 +21,14 @@ def x64_enabled():
 from jax._src.callback import _OrderedIOEffect as ORDERED_IO_EFFECT  # noqa: E402, F401
 from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
 
+# Per-primitive linearization rules (no public name as of jax 0.10.2):
+# without one, JAX derives a primitive's linearization from its JVP rule by partial
+# evaluation, call by call. None where this jax has no such table.
+try:
+    from jax._src.interpreters.ad import fallback_linearize_rule, primitive_linearizations
+except ImportError:  # pragma: no cover - other jax releases
+    fallback_linearize_rule = primitive_linearizations = None
+
 
 def prefer_inline_execution():
     """Ask JAX's CPU client to run programs on the calling thread (turn off its async

@@ -290,3 +290,49 @@ def test_expand_dims_jvp_with_a_fixed_tangent():
     xs = np.stack([X, X + 1.0])
     got = jax.jit(jax.vmap(lambda x: jax.jvp(op, (x,), (np.ones(3),))[1]))(xs)
     np.testing.assert_allclose(got, 2.0 * np.cos(xs), rtol=1e-14)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean, monkeypatch):
+    """Reverse mode traces each forward call through the primitive's own linearization
+    rule (fast to trace); the program, and so every gradient, is the one JAX derives
+    from its JVP rule: for several inputs and outputs, an integer input, a 0-d input, a
+    batch of seeds; on both paths."""
+    from distop import _ffi
+    from distop._compat import primitive_linearizations
+    from distop._operator import host_call_p
+
+    op, mul = ScaledSum(), Mul()
+
+    class Shift(distop.DistributedOperator):
+        def forward(self, comm, x, n):
+            return x + n
+
+        def vjp(self, comm, y_bar, x, n):
+            return y_bar, None
+
+    def f(a, b, t):
+        u, v = op(a, b, t)
+        return jnp.concatenate([Shift()(mul(u, a), 2), jnp.sin(v) * t])
+
+    def program():
+        def traced(a, b, t):
+            token = jnp.zeros(())
+            if not lean:
+                return jax.jacrev(f, argnums=(0, 1, 2))(a, b, t)
+            with _ffi.tracing(token) as session:
+                out = jax.jacrev(f, argnums=(0, 1, 2))(a, b, t)
+            return out, session.token
+        return jax.make_jaxpr(traced)(jnp.arange(1.0, 4.0), jnp.arange(2.0), jnp.array(0.5))
+
+    assert host_call_p in primitive_linearizations  # (jax 0.10.2 has the table)
+    with_rule = program()
+    monkeypatch.delitem(primitive_linearizations, host_call_p)
+    assert str(program()) == str(with_rule)
+    if not lean:
+        a, b, t = np.arange(1.0, 4.0), np.arange(2.0), 0.5
+        want = jax.jacrev(lambda a, b, t: jnp.concatenate([a * a + 2,
+                                                          jnp.sin(b * t) * t]),
+                          argnums=(0, 1, 2))(a, b, t)
+        for got, w in zip(jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(a, b, t), want):
+            np.testing.assert_allclose(got, w, rtol=1e-14)

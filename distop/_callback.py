@@ -24,7 +24,12 @@ _error_lock = threading.Lock()
 
 
 def _inexact(spec):
-    return np.issubdtype(spec.dtype, np.inexact)
+    return _inexact_dtype(spec.dtype)
+
+
+@functools.cache
+def _inexact_dtype(dtype):
+    return bool(np.issubdtype(dtype, np.inexact))
 
 
 def _linear_specs(phase, in_specs, out_specs):

@@ -5,6 +5,7 @@ order, including those inside loops and branches), so it is exactly what will ru
 """
 
 import dataclasses
+import functools
 import hashlib
 
 import numpy as np
@@ -91,28 +92,24 @@ def extract(closed_jaxpr, traced=None):
     """
     found = []  # (call, context, group)
     _walk(closed_jaxpr, "", found, [0])
-    entries = [_entry(call, context, group) for call, context, group in found]
-    if traced is not None:
-        entries = _with_unmade(found, entries, traced)
-    return tuple(dataclasses.replace(e, index=i) for i, e in enumerate(entries))
+    rows = found if traced is None else _with_unmade(found, traced)
+    return tuple(_entry(i, *row) for i, row in enumerate(rows))
 
 
-def _with_unmade(found, entries, traced):
-    """`entries` (of the calls `found` in the program) with the `traced` lean calls the
-    program does not make, in chain order, each before the next lean call made."""
+def _with_unmade(found, traced):
+    """The calls `found` in the program, as (call, context, group, made), with the
+    `traced` lean calls the program does not make, in chain order, each before the next
+    lean call made."""
     position = {id(call): j for j, call in enumerate(traced)}
     out, done = [], 0
-
-    def unmade(calls, group):
-        return [dataclasses.replace(_entry(call, "", group), made=False) for call in calls]
-
-    for (call, _, group), entry in zip(found, entries):
+    for call, context, group in found:
         j = position.get(id(call.origin or call))
         if j is not None:  # the lean calls made come in chain order
-            out.extend(unmade(traced[done:j], group))
+            out.extend((c, "", group, False) for c in traced[done:j])
             done = j + 1
-        out.append(entry)
-    out.extend(unmade(traced[done:], found[-1][2] if found else 0))
+        out.append((call, context, group, True))
+    last = found[-1][2] if found else 0
+    out.extend((c, "", last, False) for c in traced[done:])
     return out
 
 
@@ -142,24 +139,30 @@ def _walk(jaxpr, context, found, calls):
                     _walk(j, where, found, calls)
 
 
-def _entry(call, context, group):
+def _entry(index, call, context, group, made=True):
     op = call.op
     inputs = call.in_specs
     return ScheduleEntry(
-        index=0,
+        index=index,
         operator=type(op).__name__,
         phase=call.phase,
         collectives=tuple(getattr(op, call.phase + "_collectives", ())),
         input_shapes=tuple(tuple(s.shape) for s in inputs),
         output_shapes=tuple(tuple(s.shape) for s in call.result_specs),
-        input_dtypes=tuple(str(np.dtype(s.dtype)) for s in inputs),
-        output_dtypes=tuple(str(np.dtype(s.dtype)) for s in call.result_specs),
+        input_dtypes=tuple(_name(s.dtype) for s in inputs),
+        output_dtypes=tuple(_name(s.dtype) for s in call.result_specs),
         batch=tuple((call.origin or call).batch_shape),
         ordered=call.ordered,
         context=context,
         lean=call.lean,
         group=group,
+        made=made,
     )
+
+
+@functools.cache
+def _name(dtype):
+    return str(np.dtype(dtype))
 
 
 def fingerprint(name, entries):

@@ -165,10 +165,30 @@ def _name(dtype):
     return str(np.dtype(dtype))
 
 
-def fingerprint(name, entries):
-    """**Returns:** a 63-bit integer that identifies the schedule `entries` of `name`."""
-    text = "\n".join([name] + [e.describe() for e in entries])
+def fingerprint(name, entries, headless=False):
+    """**Returns:** a 63-bit integer that identifies the schedule `entries` of `name`
+    (with `headless`, up to every array's axis 0)."""
+    text = repr((name, [_key(e, headless) for e in entries]))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _key(entry, headless):
+    """**Returns:** every field of `entry` but its index, as plain values (`headless`:
+    without the arrays' axis 0)."""
+    shapes = (entry.input_shapes, entry.output_shapes)
+    return (entry.operator, entry.phase, entry.collectives,
+            tuple(map(_tails, shapes)) if headless else shapes, entry.input_dtypes,
+            entry.output_dtypes, entry.batch, entry.ordered, entry.context,
+            entry.input_distributed, entry.output_distributed, entry.lean, entry.group,
+            entry.made)
+
+
+def _replaced(entry, **changes):
+    """`dataclasses.replace(entry, **changes)` without its per-field introspection
+    (tens of µs per entry; a schedule can have thousands)."""
+    new = object.__new__(ScheduleEntry)
+    new.__dict__.update(entry.__dict__, **changes)
+    return new
 
 
 def agree(comm, name, entries):
@@ -191,24 +211,22 @@ def agree(comm, name, entries):
     """
     if comm.Get_size() == 1:
         return entries
-    headless = [dataclasses.replace(e, input_shapes=_tails(e.input_shapes),
-                                    output_shapes=_tails(e.output_shapes)) for e in entries]
     heads = [s[0] if s else -1 for e in entries for s in e.input_shapes + e.output_shapes]
-    every = comm.allgather((fingerprint(name, headless), heads))
+    every = comm.allgather((fingerprint(name, entries, headless=True), heads))
     if len({fp for fp, _ in every}) > 1:
         _mismatch(comm, name, entries)
     sizes = np.array([h for _, h in every])  # (ranks, arrays)
-    distributed = (sizes != sizes[0]).any(axis=0)
-    totals = sizes.sum(axis=0)
+    distributed = (sizes != sizes[0]).any(axis=0).tolist()
+    totals = sizes.sum(axis=0).tolist()
     out, k = [], 0
     for e in entries:
         shapes, flags = [], []
         for s in e.input_shapes + e.output_shapes:
-            flags.append(bool(distributed[k]))
-            shapes.append((int(totals[k]),) + s[1:] if distributed[k] else s)
+            flags.append(distributed[k])
+            shapes.append((totals[k],) + s[1:] if distributed[k] else s)
             k += 1
         n = len(e.input_shapes)
-        out.append(dataclasses.replace(
+        out.append(_replaced(
             e, input_shapes=tuple(shapes[:n]), output_shapes=tuple(shapes[n:]),
             input_distributed=tuple(flags[:n]), output_distributed=tuple(flags[n:])))
     return tuple(out)

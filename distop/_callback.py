@@ -24,12 +24,17 @@ _error_lock = threading.Lock()
 
 
 def _inexact(spec):
-    return _inexact_dtype(spec.dtype)
+    return inexact_dtype(spec.dtype)
 
 
 @functools.cache
-def _inexact_dtype(dtype):
-    return bool(np.issubdtype(dtype, np.inexact))
+def inexact_dtype(dtype):
+    """Whether values of `dtype` are differentiable, as JAX decides: floating point and
+    complex, including bfloat16 and the other ml_dtypes (which numpy's own
+    `issubdtype(..., np.inexact)` does not count)."""
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _linear_specs(phase, in_specs, out_specs):

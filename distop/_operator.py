@@ -173,7 +173,10 @@ def apply(op, inputs):
         if not hasattr(s, "shape") or not hasattr(s, "dtype"):
             raise TypeError(f"{name}.output_spec returned {s!r}; expected "
                             "jax.ShapeDtypeStruct(shape, dtype) per output.")
-    out_specs = tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_specs)
+    # (plain ints: numpy integers in a shape would make the schedule's fingerprint differ
+    # between ranks that return the same sizes as different types)
+    out_specs = tuple(jax.ShapeDtypeStruct(tuple(map(int, s.shape)), s.dtype)
+                      for s in out_specs)
     ordered = type(op).is_ordered(op)
     # In a Problem's program every call not declared unordered takes the lean path:
     # ordered by the token, and fusable. (Even where nothing needs ordering, in one

@@ -17,7 +17,7 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
 from . import _comm, _ffi, _rewrite, _safety, _schedule, _totals
-from ._callback import take_error
+from ._callback import inexact_dtype, take_error
 from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError
 
@@ -47,7 +47,7 @@ class Layout:
                            else math.prod(spec.shape))
         object.__setattr__(self, "_sizes", sizes)
         object.__setattr__(self, "differentiable", {
-            which: tuple(k for k, s in specs.items() if np.issubdtype(s.dtype, np.inexact))
+            which: tuple(k for k, s in specs.items() if inexact_dtype(s.dtype))
             for which, specs in (("inputs", self.inputs), ("outputs", self.outputs))})
 
     def global_size(self, name):
@@ -769,7 +769,7 @@ def _seed_groups(layout):
     packed seed array each (see `Problem._seeds`)."""
     groups = {}
     for name, spec in layout.outputs.items():
-        if np.issubdtype(spec.dtype, np.inexact):
+        if inexact_dtype(spec.dtype):
             groups.setdefault(np.dtype(spec.dtype), []).append(name)
     return groups
 

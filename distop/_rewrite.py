@@ -234,28 +234,48 @@ def _nodes(jaxpr, groups, uses, primitive):
         if i != group[0]:
             continue
         calls = [eqns[j] for j in group]
-        made, inputs, wiring, results = {}, {}, [], []
-        for e in calls:
-            wiring.append(tuple((True, made[v]) if v in made
-                                else (False, inputs.setdefault(v, len(inputs)))
-                                for v in e.invars[1:]))
-            for v in e.outvars[1:]:
-                made[v] = len(results)
-                results.append(v)
+        inputs, wiring, results, made = _wiring(calls)
         # a result leaves the fused call unless only later calls of the group read it
         inner_reads = {}
         for e in calls:
-            for v in e.invars[1:]:
+            for v in _vars(e.invars[1:]):
                 if v in made:
                     inner_reads[v] = inner_reads.get(v, 0) + 1
         returned = [k for k, v in enumerate(results)
                     if v in outside or uses.get(v, 0) > inner_reads.get(v, 0)]
-        call = FusedCall([e.params["call"] for e in calls], tuple(wiring), tuple(returned))
+        call = FusedCall([e.params["call"] for e in calls], wiring, tuple(returned))
         nodes.append((i, new_jaxpr_eqn([calls[0].invars[0]] + list(inputs),
                                        [calls[-1].outvars[0]] + [results[k] for k in returned],
                                        primitive, {"call": call}, calls[0].effects,
                                        calls[0].source_info, calls[0].ctx)))
     return nodes
+
+
+def _wiring(calls):
+    """How the calls of one fused call read their arguments.
+
+    **Returns:** (the fused call's inputs, per call its `FusedCall` wiring, the calls'
+    results in order, variable -> its index among them). An input read by several
+    calls is passed once; a literal takes a place of its own.
+    """
+    made, inputs, index, wiring, results = {}, [], {}, [], []
+    for e in calls:
+        wires = []
+        for v in e.invars[1:]:
+            if isinstance(v, Var) and v in made:
+                wires.append((True, made[v]))
+            elif isinstance(v, Var) and v in index:
+                wires.append((False, index[v]))
+            else:
+                if isinstance(v, Var):
+                    index[v] = len(inputs)
+                wires.append((False, len(inputs)))
+                inputs.append(v)
+        wiring.append(tuple(wires))
+        for v in e.outvars[1:]:
+            made[v] = len(results)
+            results.append(v)
+    return inputs, tuple(wiring), results, made
 
 
 def _topological(nodes):
@@ -670,7 +690,7 @@ def known_rows(closed_jaxpr):
     # A call whose results another call reads as they are keeps its rows: narrowing it
     # would change which calls fusion may join, agreed on the program as it is. (Left
     # out here, it is left out on every rank: only calls every rank finds are narrowed.)
-    read_by_calls = {v for e in jaxpr.eqns if _lean(e) for v in e.invars[1:]}
+    read_by_calls = {v for e in jaxpr.eqns if _lean(e) for v in _vars(e.invars[1:])}
     found = {}
     for position, eqn in enumerate(e for e in jaxpr.eqns if _lean(e)
                                    and e.params["call"].phase != "forward"):

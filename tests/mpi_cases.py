@@ -459,6 +459,23 @@ def local_operator_mixed_with_collectives():
     all_close_everywhere(comm, problem.compute_totals()["f", "x"][0], exact)
 
 
+@case("core")
+def sizes_given_as_numpy_integers_on_some_ranks_only():
+    class Reshape(distop.DistributedOperator):
+        def output_spec(self, x):  # the same size, of another type on rank 0
+            return jax.ShapeDtypeStruct((2, np.int64(3) if rank == 0 else 3), x.dtype)
+
+        def forward(self, comm, x):
+            return x.reshape(2, 3)
+
+        def vjp(self, comm, y_bar, x):
+            return y_bar.reshape(6)
+
+    problem = distop.Problem(lambda x: {"f": jnp.sum(Reshape()(x))}, {"x": np.arange(6.0)})
+    assert all(type(d) is int for e in problem.schedule for s in e.output_shapes for d in s)
+    all_close_everywhere(comm, problem.compute_totals()["f", "x"], np.ones((1, 6)))
+
+
 # -- errors that must reach every rank ------------------------------------------------
 @case("core")
 def model_branching_on_rank_is_a_schedule_mismatch():

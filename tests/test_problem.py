@@ -266,7 +266,10 @@ def test_large_result_buffers_get_huge_pages_as_numpy_arrays_do():
     assert seen[1][0] == small.nbytes, seen
 
 
-def test_an_operator_on_bfloat16_values_inside_a_model():
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_an_operator_on_bfloat16_values_inside_a_model(backend):
+    """bfloat16 is differentiable, as in JAX (numpy does not count it as inexact): its
+    cotangents reach the VJP, in a Problem and in jax.grad, jitted or not."""
     class Twice(distop.DistributedOperator):
         forward_collectives = ("Allreduce",)
 
@@ -274,10 +277,56 @@ def test_an_operator_on_bfloat16_values_inside_a_model():
             assert x.dtype == jnp.bfloat16, x.dtype
             return 2 * x
 
-    problem = distop.Problem(
-        lambda x: {"y": Twice()(x.astype(jnp.bfloat16)).astype(jnp.float64)},
-        {"x": np.arange(3.0)})
+        def vjp(self, comm, y_bar, x):
+            assert y_bar.dtype == jnp.bfloat16, y_bar.dtype
+            return 2 * y_bar
+
+    def model(x):
+        return {"y": Twice()(x.astype(jnp.bfloat16)).astype(jnp.float64)}
+
+    problem = distop.Problem(model, {"x": np.arange(3.0)}, backend=backend)
     np.testing.assert_array_equal(problem.run()["y"], [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(problem.compute_totals()["y", "x"], 2 * np.eye(3))
+
+    def f(x):
+        return jnp.sum(model(x)["y"])
+
+    for grad in (jax.grad(f), jax.jit(jax.grad(f))):
+        np.testing.assert_array_equal(grad(jnp.arange(3.0)), [2.0, 2.0, 2.0])
+    b = distop.Problem(lambda x: {"y": Twice()(x.astype(jnp.bfloat16))}, {"x": np.arange(2.0)},
+                       backend=backend)  # a bfloat16 output of a Problem
+    np.testing.assert_array_equal(b.compute_totals()["y", "x"], 2 * np.eye(2))
+
+
+def test_operators_given_python_scalars_on_every_path():
+    """A Python number passed to an operator is a literal of the program, not a
+    variable: the lean path's rewrites (rows, fusion, segments) take it as it is."""
+    class Scale(distop.DistributedOperator):
+        ordered = True
+
+        def forward(self, comm, x, c):
+            return x * c
+
+        def vjp(self, comm, y_bar, x, c):
+            return y_bar * c, np.sum(y_bar * x)
+
+    op = Scale()
+
+    def model(x, y):
+        a, b = op(x, 3.0), op(y, 2.0)  # independent: fused
+        for _ in range(70):  # a chain longer than one segment
+            a = op(a, 1.0)
+        return {"f": jnp.sum(a) + jnp.sum(b), "g": jnp.sum(op(a, 0.5))}
+
+    point = {"x": np.ones(2), "y": np.arange(3.0)}
+    want_values = {"f": 12.0, "g": 3.0}
+    want_totals = {("f", "x"): [[3.0, 3.0]], ("g", "x"): [[1.5, 1.5]],
+                   ("f", "y"): [[2.0, 2.0, 2.0]], ("g", "y"): [[0.0, 0.0, 0.0]]}
+    for backend, fuse in [("lean", True), ("lean", False), ("io_callback", True)]:
+        problem = distop.Problem(model, point, backend=backend, fuse=fuse)
+        assert {k: float(v) for k, v in problem.run().items()} == want_values
+        got = problem.compute_totals()
+        assert {k: v.tolist() for k, v in got.items()} == want_totals, (backend, fuse)
 
 
 @pytest.mark.parametrize("batched", [True, False])

@@ -23,9 +23,18 @@ from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
 
 # Per-primitive linearization rules (no public name as of jax 0.10.2):
 # without one, JAX derives a primitive's linearization from its JVP rule by partial
-# evaluation, call by call. None where this jax has no such table.
+# evaluation, call by call. None where this jax has no such table, or calls its rules
+# otherwise than jax 0.10.2 does (distop then keeps JAX's derivation: slower to trace,
+# the same program).
 try:
+    import inspect
+
     from jax._src.interpreters.ad import fallback_linearize_rule, primitive_linearizations
+
+    if [p.kind for p in inspect.signature(fallback_linearize_rule).parameters.values()] != [
+            inspect.Parameter.POSITIONAL_OR_KEYWORD] * 3 + [inspect.Parameter.VAR_POSITIONAL,
+                                                          inspect.Parameter.VAR_KEYWORD]:
+        raise ImportError("another calling convention")
 except ImportError:  # pragma: no cover - other jax releases
     fallback_linearize_rule = primitive_linearizations = None
 

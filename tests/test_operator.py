@@ -325,10 +325,6 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
             return out, session.token
         return jax.make_jaxpr(traced)(jnp.arange(1.0, 4.0), jnp.arange(2.0), jnp.array(0.5))
 
-    assert host_call_p in primitive_linearizations  # (jax 0.10.2 has the table)
-    with_rule = program()
-    monkeypatch.delitem(primitive_linearizations, host_call_p)
-    assert str(program()) == str(with_rule)
     if not lean:
         a, b, t = np.arange(1.0, 4.0), np.arange(2.0), 0.5
         want = jax.jacrev(lambda a, b, t: jnp.concatenate([a * a + 2,
@@ -336,3 +332,9 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
                           argnums=(0, 1, 2))(a, b, t)
         for got, w in zip(jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(a, b, t), want):
             np.testing.assert_allclose(got, w, rtol=1e-14)
+    if jax.__version__ == "0.10.2":  # (later releases may call such rules otherwise)
+        assert host_call_p in primitive_linearizations
+    if primitive_linearizations is not None:
+        with_rule = program()
+        monkeypatch.delitem(primitive_linearizations, host_call_p)
+        assert str(program()) == str(with_rule)

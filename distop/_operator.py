@@ -313,11 +313,12 @@ def _linearize(is_vjp, nonzeros, *primals, call):
     nonzero_out = [_inexact(s) for s in call.out_specs]
 
     def linearized(residuals, *tangents):
-        inputs = residuals[1:] if call.lean else residuals
-        tangents = tangents[1:] if call.lean else tangents
+        if call.lean:  # the token has no tangent, and the jvp call returns none
+            token, inputs, tangents = residuals[:1], residuals[1:], tangents[1:]
+        else:
+            token, inputs = (), residuals
         linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
-        touts = iter(host_call_p.bind(*residuals[:call.lean], *linear, *inputs, call=jvp)
-                     [call.lean:])
+        touts = iter(host_call_p.bind(*token, *linear, *inputs, call=jvp)[len(token):])
         out = [next(touts) if nz else ad.Zero(ShapedArray(s.shape, s.dtype).to_tangent_aval())
                for s, nz in zip(call.out_specs, nonzero_out)]
         return [ad.Zero(_TOKEN.to_tangent_aval())] + out if call.lean else out

@@ -165,22 +165,20 @@ def _name(dtype):
     return str(np.dtype(dtype))
 
 
-def fingerprint(name, entries, headless=False):
-    """**Returns:** a 63-bit integer that identifies the schedule `entries` of `name`
-    (with `headless`, up to every array's axis 0)."""
-    text = repr((name, [_key(e, headless) for e in entries]))
+def fingerprint(name, entries):
+    """**Returns:** a 63-bit integer that identifies the schedule `entries` of `name` up
+    to every array's axis 0 (which may differ between ranks)."""
+    text = repr((name, [_key(e) for e in entries]))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def _key(entry, headless):
-    """**Returns:** every field of `entry` but its index, as plain values (`headless`:
-    without the arrays' axis 0)."""
-    shapes = (entry.input_shapes, entry.output_shapes)
-    return (entry.operator, entry.phase, entry.collectives,
-            tuple(map(_tails, shapes)) if headless else shapes, entry.input_dtypes,
-            entry.output_dtypes, entry.batch, entry.ordered, entry.context,
-            entry.input_distributed, entry.output_distributed, entry.lean, entry.group,
-            entry.made)
+def _key(entry):
+    """**Returns:** every field of `entry` but its index, as plain values, without the
+    arrays' axis 0."""
+    return (entry.operator, entry.phase, entry.collectives, _tails(entry.input_shapes),
+            _tails(entry.output_shapes), entry.input_dtypes, entry.output_dtypes,
+            entry.batch, entry.ordered, entry.context, entry.input_distributed,
+            entry.output_distributed, entry.lean, entry.group, entry.made)
 
 
 def _replaced(entry, **changes):
@@ -212,7 +210,7 @@ def agree(comm, name, entries):
     if comm.Get_size() == 1:
         return entries
     heads = [s[0] if s else -1 for e in entries for s in e.input_shapes + e.output_shapes]
-    every = comm.allgather((fingerprint(name, entries, headless=True), heads))
+    every = comm.allgather((fingerprint(name, entries), heads))
     if len({fp for fp, _ in every}) > 1:
         _mismatch(comm, name, entries)
     sizes = np.array([h for _, h in every])  # (ranks, arrays)

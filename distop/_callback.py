@@ -235,7 +235,7 @@ class HostCall:
     def _invoke(self, args, comm, out=None):
         """Call the user method; `out`: XLA's result buffers, offered (`out=`) to a method
         that takes them: one array, or a tuple in the order the method returns its
-        results (None for results of integer dtype)."""
+        results (None in a vjp's place for an integer input: it has no cotangent)."""
         args = [np.asarray(a, order="C") for a in args]
         if self.takes_out:
             kwargs = {**self.kwargs, "out": self._user_out(out) if out else None}

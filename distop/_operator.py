@@ -50,9 +50,9 @@ class DistributedOperator(eqx.Module):
       that copy on every call. (Co)tangents are always broadcast.
     - A method may take a keyword `out`: on the lean path distop passes the buffers its
       results go to (XLA's own, valid during the call; one array, or a tuple in the
-      order of the results, None for results of integer dtype), else None. Writing the
-      results into them and returning them saves a copy of each; returning other
-      arrays is fine too.
+      order of the results; None in a vjp's place for an integer input, which has no
+      cotangent), else None. Writing the results into them and returning them saves a
+      copy of each; returning other arrays is fine too.
     - `ordered`: None (default) orders the callbacks whenever the operator declares
       collectives and its communicator has more than one rank; True/False force it.
       Also settable per instance: `MyOp(A, ordered=False)`. Inside a `Problem` on the

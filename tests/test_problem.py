@@ -223,6 +223,28 @@ def test_methods_that_take_out_write_straight_into_the_result_buffers():
         else:
             assert seen and all(o in (False, None) for _, o in seen), seen
 
+    class Sign(distop.DistributedOperator):  # an integer output, an integer input
+        batched_vjp = True
+
+        def output_spec(self, x, n):
+            return x, jax.ShapeDtypeStruct(x.shape, np.int64)
+
+        def forward(self, comm, x, n, out=None):
+            seen.append(("forward", [(o.dtype, o.shape) for o in out]))
+            return x * n, (x > 0).astype(np.int64)
+
+        def vjp(self, comm, cts, x, n, out=None):
+            seen.append(("vjp", [None if o is None else o.dtype for o in out]))
+            return cts[0] * 3, None
+
+    seen.clear()
+    problem = distop.Problem(lambda x: dict(zip("yn", Sign()(x, 3))), {"x": x0})
+    np.testing.assert_array_equal(problem.run()["n"], [1, 0, 1])
+    np.testing.assert_array_equal(problem.compute_totals()["y", "x"], 3 * np.eye(3))
+    # integer results get their buffers too; an integer input has no cotangent to offer
+    assert seen == [("forward", [(np.float64, (3,)), (np.int64, (3,))]),
+                    ("vjp", [np.float64, None])], seen
+
 
 
 def _thp_eligible(address):

@@ -280,23 +280,24 @@ def _jvp(primals, tangents, *, call):
         linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
         outs = host_call_p.bind(*primals, call=call)
         return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
-    # A tangent is batched where its input is.
+    outs = host_call_p.bind(*([token] if call.lean else []), *primals, call=call)
+    return outs, _tangents_out(call, outs[0] if call.lean else None, primals, tangents)
+
+
+def _tangents_out(call, token, inputs, tangents):
+    """The output tangents of a forward call (on the lean path the token's, a zero,
+    first): its `jvp` call on the inputs' `tangents`, given the `inputs` and (lean) the
+    `token` after the call. The jvp call reads the chain's token but does not extend
+    it: in reverse mode it is transposed away, and the transposed call joins the chain
+    then. A tangent is batched where its input is."""
     jvp = call.with_phase("jvp", [call.levels[i] for i in _diff(call.in_specs)])
     linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
-    if call.lean:
-        # The jvp call reads the chain's token but does not extend it: in reverse mode
-        # it is transposed away, and the transposed call joins the chain then.
-        outs = host_call_p.bind(token, *primals, call=call)
-        touts = iter(host_call_p.bind(outs[0], *linear, *primals, call=jvp)[1:])
-    else:
-        outs = host_call_p.bind(*primals, call=call)
-        touts = iter(host_call_p.bind(*linear, *primals, call=jvp))
-    tangents_out = [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
-                                                            .to_tangent_aval())
-                    for s in call.out_specs]
-    if call.lean:
-        tangents_out = [ad.Zero(_TOKEN.to_tangent_aval())] + tangents_out
-    return outs, tangents_out
+    first = [token] if call.lean else []
+    touts = iter(host_call_p.bind(*first, *linear, *inputs, call=jvp)[len(first):])
+    out = [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
+                                                   .to_tangent_aval())
+           for s in call.out_specs]
+    return [ad.Zero(_TOKEN.to_tangent_aval())] + out if call.lean else out
 
 
 def _linearize(is_vjp, nonzeros, *primals, call):
@@ -307,23 +308,16 @@ def _linearize(is_vjp, nonzeros, *primals, call):
     if call.phase != "forward":
         return fallback_linearize_rule(host_call_p, is_vjp, nonzeros, *primals, call=call)
     outs = host_call_p.bind(*primals, call=call)
-    jvp = call.with_phase("jvp", [call.levels[i] for i in _diff(call.in_specs)])
-    # the jvp call reads the inputs and (lean) the token after the call, see `_jvp`
+    # what the jvp call reads: (lean) the token after the call, and the inputs
     residuals = (outs[0], *primals[1:]) if call.lean else primals
-    nonzero_out = [_inexact(s) for s in call.out_specs]
 
     def linearized(residuals, *tangents):
-        if call.lean:  # the token has no tangent, and the jvp call returns none
-            token, inputs, tangents = residuals[:1], residuals[1:], tangents[1:]
-        else:
-            token, inputs = (), residuals
-        linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
-        touts = iter(host_call_p.bind(*token, *linear, *inputs, call=jvp)[len(token):])
-        out = [next(touts) if nz else ad.Zero(ShapedArray(s.shape, s.dtype).to_tangent_aval())
-               for s, nz in zip(call.out_specs, nonzero_out)]
-        return [ad.Zero(_TOKEN.to_tangent_aval())] + out if call.lean else out
+        if call.lean:  # the token has no tangent
+            return _tangents_out(call, residuals[0], residuals[1:], tangents[1:])
+        return _tangents_out(call, None, residuals, tangents)
 
-    return outs, [False] * call.lean + nonzero_out, residuals, linearized
+    nonzero_out = [False] * call.lean + [_inexact(s) for s in call.out_specs]
+    return outs, nonzero_out, residuals, linearized
 
 
 def _transpose(cts, *args, call):

@@ -57,6 +57,46 @@ def rows_of(mask):
     return found
 
 
+# The agreement on its request that a `Problem` leaves to the first communicating host
+# call of the program it runs (see `Problem._layout`), or None: made there, just before
+# the call's own collectives, the ranks meet once instead of twice.
+_deferred = None
+_deferred_lock = threading.Lock()
+
+
+def defer(agreement):
+    """Leave `agreement` (a function that communicates once) to the next communicating
+    host call, before its method runs, or to `settle`."""
+    global _deferred
+    _deferred = agreement
+
+
+def settle():
+    """Make the deferred agreement, if there is one (once: a host call on another thread
+    waits until it is made)."""
+    global _deferred
+    with _deferred_lock:
+        if _deferred is not None:
+            try:
+                _deferred()
+            finally:
+                _deferred = None
+
+
+def before_communicating():
+    """`settle`, in a host call that may communicate, before it does: an error becomes
+    the program's (see `take_error`)."""
+    global _last_error
+    if _deferred is None:
+        return
+    try:
+        settle()
+    except BaseException as err:
+        with _error_lock:
+            _last_error = err
+        raise
+
+
 def take_error():
     """**Returns:** the exception raised by the last failing callback (once), or None."""
     global _last_error
@@ -131,8 +171,9 @@ class HostCall:
         self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
         self.where = f"{cls.__name__}.{phase}"
-        self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
+        self.communicates = bool(ordered or self.declared)  # (see `defer`)
+        self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.checker = None
         if (_safety.settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
@@ -199,6 +240,8 @@ class HostCall:
 
         **Returns:** the checked results (possibly `out`'s arrays themselves).
         """
+        if self.communicates:
+            before_communicating()
         with self._watch:
             try:
                 comm = self.comm

@@ -565,6 +565,59 @@ def calls_that_ran_before_still_agree_before_communicating():
 
 
 @case("core")
+def a_repeated_request_is_agreed_just_before_its_first_collective():
+    log = []
+
+    class Logged(dm.DistributedMatvec):
+        def forward(self, comm, x):
+            log.append("forward")
+            return super().forward(comm, x)
+
+        def vjp(self, comm, y_bar, x):
+            log.append("vjp")
+            return super().vjp(comm, y_bar, x)
+
+    a_local, _, x0, w = dm.setup(8, 2, comm)
+    def logged(problem):
+        confirm = problem._confirm
+        problem._confirm = lambda agreed: (log.append("agree"), confirm(agreed))
+        return problem
+
+    checking = distop.configure().check_collectives
+    op = Logged(a_local)
+    local = logged(distop.Problem(lambda x: {"f": jnp.sum(x * x)}, {"x": x0}))
+    for backend in ("lean", "io_callback"):
+        problem = logged(distop.Problem(lambda x: {"f": jnp.asarray(w) @ op(x)}, {"x": x0},
+                                        backend=backend))
+        log.clear()
+        expected = problem.run()["f"], problem.compute_totals()["f", "x"]
+        assert "agree" not in log and "vjp" in log, log  # new: agreed before the program
+        for _ in range(2):
+            for call, value in ((problem.run, expected[0]), (problem.compute_totals,
+                                                             expected[1])):
+                log.clear()
+                np.testing.assert_array_equal(next(iter(call().values())), value)
+                if checking:  # checking mode agrees before every program
+                    assert "agree" not in log, log
+                else:  # made before: agreed once in the program, before any method
+                    assert log[0] == "agree" and log.count("agree") == 1 < len(log), log
+    # a program without host calls agrees after it: different entry points still raise
+    # on every rank, once both requests have run before
+    value = local.run()["f"].copy()
+    local.compute_totals()
+    log.clear()
+    for _ in range(2):
+        try:
+            local.run() if rank == 0 else local.compute_totals()
+        except distop.DistopError as err:
+            assert "different entry points" in str(err), err
+        else:
+            raise AssertionError("no error")
+    assert log == ([] if checking else ["agree", "agree"]), log
+    assert local.run()["f"] == value
+
+
+@case("core")
 def block_sizes_changing_on_some_ranks_are_agreed_again():
     op = distop.AllreduceSum()
     problem = distop.Problem(lambda b: {"s": op(jnp.sum(b * b))}, {"b": np.ones(2)},

@@ -98,6 +98,28 @@ def test_user_error_in_problem_is_raised_as_itself():
         problem.run()
 
 
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_user_error_after_calls_that_worked_is_raised_as_itself(backend):
+    # from the third call on, JAX runs a program through its C++ dispatch, which
+    # reports a host call's error differently
+    failing = []
+
+    class LaterBoom(distop.DistributedOperator):
+        def forward(self, comm, x):
+            if failing:
+                raise KeyError("later")
+            return x
+
+    problem = distop.Problem(lambda x: {"f": jnp.sum(LaterBoom()(x))}, {"x": np.ones(2)},
+                             backend=backend)
+    for _ in range(3):
+        problem.run()
+    failing.append(True)
+    with pytest.raises(distop.OperatorError, match=r"LaterBoom.forward on rank 0: raised "
+                                                   r"KeyError: 'later'"):
+        problem.run()
+
+
 # -- the lean path's rewrites (ordered=True: the lean path in one process too) ----------
 def _chain_model(ops, between):
     def model(x):

@@ -748,7 +748,7 @@ class Problem:
         except _Disagreed as err:
             take_error()  # (of a failed host call whose program then ended here)
             self._disagreed(agreed, err.every)
-        except (JaxRuntimeError, ValueError) as err:
+        except (JaxRuntimeError, ValueError):
             # (a host call's error: JAX raises ValueError where its C++ dispatch runs the
             # program, as of jax 0.10.2, else JaxRuntimeError)
             cause = take_error()

@@ -748,10 +748,12 @@ class Problem:
         except _Disagreed as err:
             take_error()  # (of a failed host call whose program then ended here)
             self._disagreed(agreed, err.every)
-        except (JaxRuntimeError, ValueError):
-            # (a host call's error: JAX raises ValueError where its C++ dispatch runs the
-            # program, as of jax 0.10.2, else JaxRuntimeError)
+        except (JaxRuntimeError, ValueError) as err:
+            # A host call's error: JAX raises ValueError where its C++ dispatch runs the
+            # program (as of jax 0.10.2), else JaxRuntimeError; with the error's text.
             cause = take_error()
+            if isinstance(err, ValueError) and str(cause) not in str(err):
+                cause = None  # a ValueError of its own
             if isinstance(cause, _Disagreed):
                 self._disagreed(agreed, cause.every)
             if cause is not None:

@@ -77,6 +77,7 @@ class Program:
     make_extra: object = tuple
     checker: object = None
     calls: int = 0  # lean host calls per run: each adds one to the token
+    defers: bool = True  # whether its host calls may make the request's agreement
     _extra: tuple | None = None
     _plan: tuple | None = None
 
@@ -105,6 +106,8 @@ class _Agreed:
 
 class _Disagreed(Exception):
     """A deferred agreement found some rank's part not as assumed (see `_layout`)."""
+
+    quiet = True  # not logged by JAX's callbacks (see `_compat.quiet_callback_errors`)
 
     def __init__(self, every):
         super().__init__("the ranks' requests differ from the assumed ones")
@@ -587,7 +590,8 @@ class Problem:
                    and self.comm.Get_size() > 1 else None)
         calls = _rewrite.lean_calls(jaxpr.jaxpr)
         found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              len(calls))
+                                              len(calls),
+                                              not _schedule.talks_outside(jaxpr))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
         return found
@@ -721,6 +725,9 @@ class Problem:
         """
         deferred = agreed is not None and agreed.deferred
         try:
+            if deferred and not program.defers:
+                self._confirm(agreed)  # before the program, after all
+                deferred = False
             if deferred:
                 _callback.defer(functools.partial(self._confirm, agreed))
             try:
@@ -728,8 +735,11 @@ class Problem:
                                             *program.extra)
                 values = _unpack(packed, program.plan)
             finally:
-                if deferred:  # where no host call made it (none communicates, or one failed)
-                    _callback.settle()
+                if deferred:
+                    try:  # where no host call made it (the program has none, or failed)
+                        _callback.settle()
+                    finally:
+                        _callback.defer(None)
             self._token = token
             if program.calls:
                 # (float() of a JAX array costs ten times more than through numpy)

@@ -4,12 +4,14 @@ Many cases per launch: each launch pays JAX's start-up on every rank. Any failur
 aborts the whole job (so no rank waits forever) and the test sees a non-zero exit code.
 """
 
+import logging
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import io_callback
 from mpi4py import MPI
 
 import distop
@@ -632,6 +634,70 @@ def block_sizes_changing_on_some_ranks_are_agreed_again():
         J = problem.compute_totals()["s", "b"]
         np.testing.assert_array_equal(J, [np.concatenate([np.full(n, 2.0 + 2 * r)
                                                           for r, n in enumerate(sizes)])])
+
+
+@case("core")
+def a_model_with_collectives_of_its_own_agrees_before_running():
+    class Local(distop.DistributedOperator):  # no collectives: runs before the others
+        def forward(self, comm, b):
+            calls.append(1)
+            return b * b
+
+    def own_sum(b):  # the model's own ordered callback, with an Allreduce of its own
+        return np.asarray(comm.allreduce(float(np.sum(b))))
+
+    def model(b):
+        own = io_callback(own_sum, jax.ShapeDtypeStruct((), np.float64), lax.stop_gradient(b),
+                          ordered=True)
+        return {"s": distop.AllreduceSum()(jnp.sum(Local()(b))) + own}
+
+    calls, logged = [], []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("jax._src.callback").addHandler(handler)
+    try:
+        for backend in ("lean", "io_callback"):
+            problem = distop.Problem(model, {"b": np.ones(2)}, distributed=["b"],
+                                     backend=backend)
+            # every rank has run the request before, then rank 0's block grows: the
+            # others, assuming their part, must not enter the model's own Allreduce
+            # while rank 0 agrees
+            for sizes in ([2] * size, [2] * size, [3] + [2] * (size - 1), [2] * size,
+                          [2] * size):
+                b = np.full(sizes[rank], 1.0 + rank)
+                calls.clear()
+                assert problem.run(b=b)["s"] == sum(n * (1.0 + r) ** 2 + n * (1.0 + r)
+                                                    for r, n in enumerate(sizes))
+                assert len(calls) == 1, (backend, sizes, calls)  # once, even rebuilt
+    finally:
+        logging.getLogger("jax._src.callback").removeHandler(handler)
+    assert not logged, [r.getMessage() for r in logged]
+
+
+@case("core")
+def ranks_that_assumed_rebuild_without_running_a_method_twice():
+    class Local(distop.DistributedOperator):
+        def forward(self, comm, b):
+            calls.append(1)
+            return b * b
+
+    calls, logged = [], []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("jax._src.callback").addHandler(handler)
+    try:
+        for backend in ("lean", "io_callback"):
+            problem = distop.Problem(
+                lambda b: {"s": distop.AllreduceSum()(jnp.sum(Local()(b)))},
+                {"b": np.ones(2)}, distributed=["b"], backend=backend)
+            for sizes in ([2] * size, [2] * size, [2] * (size - 1) + [4], [2] * size):
+                calls.clear()
+                assert problem.run(b=np.full(sizes[rank], 2.0))["s"] == 4.0 * sum(sizes)
+                assert len(calls) == 1, (backend, sizes, calls)
+    finally:
+        logging.getLogger("jax._src.callback").removeHandler(handler)
+    # the ranks that assumed stopped their programs: JAX logged nothing of it
+    assert not logged, [r.getMessage() for r in logged]
 
 
 if __name__ == "__main__":

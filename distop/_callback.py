@@ -15,10 +15,7 @@ import traceback
 import numpy as np
 
 from . import _safety
-from ._compat import quiet_callback_errors
 from ._errors import CollectiveMismatchError, OperatorError
-
-quiet_callback_errors()
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
@@ -58,54 +55,6 @@ def rows_of(mask):
         if last - first + 1 == len(found):
             return slice(first, last + 1)
     return found
-
-
-# The agreement on its request that a `Problem` leaves to the first host call of the
-# program it runs (see `Problem._layout`): made there, just before the call's own
-# collectives, the ranks meet once instead of twice. None, the agreement (a function
-# that communicates once), or the error it raised: then every later host call of the
-# program raises it too, so that no method runs after a failed agreement.
-_deferred = None
-_deferred_lock = threading.Lock()
-
-
-def defer(agreement):
-    """Leave `agreement` to the next host call, before its method runs, or to `settle`;
-    None: forget it (or its error)."""
-    global _deferred
-    _deferred = agreement
-
-
-def settle():
-    """Make the deferred agreement, if there is one, once (a host call on another thread
-    waits until it is made); raise its error, if it failed."""
-    global _deferred
-    with _deferred_lock:
-        pending = _deferred
-        if pending is None:
-            return
-        if isinstance(pending, BaseException):
-            raise pending
-        try:
-            pending()
-        except BaseException as err:
-            _deferred = err
-            raise
-        _deferred = None
-
-
-def before_call():
-    """`settle`, in a host call before its method runs: an error becomes the program's
-    (see `take_error`)."""
-    global _last_error
-    if _deferred is None:
-        return
-    try:
-        settle()
-    except BaseException as err:
-        with _error_lock:
-            _last_error = err
-        raise
 
 
 def take_error():
@@ -182,8 +131,8 @@ class HostCall:
         self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
         self.where = f"{cls.__name__}.{phase}"
-        self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
+        self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self.checker = None
         if (_safety.settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
@@ -250,7 +199,6 @@ class HostCall:
 
         **Returns:** the checked results (possibly `out`'s arrays themselves).
         """
-        before_call()
         with self._watch:
             try:
                 comm = self.comm

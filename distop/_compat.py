@@ -59,18 +59,3 @@ def prefer_inline_execution():
             jax.config.update("jax_cpu_enable_async_dispatch", False)
     except (ImportError, AttributeError):  # pragma: no cover - other jax releases
         pass
-
-
-def quiet_callback_errors():
-    """Keep JAX from logging, with a traceback, the errors of host calls that distop
-    raises on purpose and reports itself (exceptions with `quiet = True`). JAX's
-    callbacks log their errors through the logger of a private module (`jax._src.callback`
-    as of jax 0.10.2); where it has another name, JAX logs them, nothing else changes."""
-    import logging
-
-    class Quiet(logging.Filter):
-        def filter(self, record):
-            err = record.exc_info[1] if record.exc_info else None
-            return not getattr(err, "quiet", False)
-
-    logging.getLogger("jax._src.callback").addFilter(Quiet())

@@ -2,7 +2,6 @@
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import hashlib
 import math
@@ -17,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
-from . import _callback, _comm, _ffi, _rewrite, _safety, _schedule, _totals
+from . import _comm, _ffi, _rewrite, _safety, _schedule, _totals
 from ._callback import inexact_dtype, take_error
 from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError
@@ -77,7 +76,6 @@ class Program:
     make_extra: object = tuple
     checker: object = None
     calls: int = 0  # lean host calls per run: each adds one to the token
-    defers: bool = True  # whether its host calls may make the request's agreement
     _extra: tuple | None = None
     _plan: tuple | None = None
 
@@ -92,48 +90,6 @@ class Program:
         if self._extra is None:
             self._extra = jax.device_put(self.make_extra())
         return self._extra
-
-
-@dataclasses.dataclass(frozen=True)
-class _Agreed:
-    """A call's request, as `Problem._layout` agreed on it (or assumed, if deferred)."""
-
-    key: tuple  # (local shapes, request)
-    every: np.ndarray  # every rank's part: the request's hash, distributed axis-0 sizes
-    described: tuple  # this rank's request and shapes, for the error message
-    deferred: bool
-
-
-class _Disagreed(Exception):
-    """A deferred agreement found some rank's part not as assumed (see `_layout`)."""
-
-    quiet = True  # not logged by JAX's callbacks (see `_compat.quiet_callback_errors`)
-
-    def __init__(self, every):
-        super().__init__("the ranks' requests differ from the assumed ones")
-        self.every = every
-
-
-class _Relayout(Exception):
-    """Another rank's distributed input changed size, unknown to this rank when its
-    program started (see `_layout`): the entry point runs again, with every rank's part
-    as the deferred agreement found it."""
-
-    def __init__(self, every):
-        super().__init__("distributed inputs changed size on other ranks")
-        self.every = every
-
-
-def _relayout_once(method):
-    """An entry point that runs again after a `_Relayout`, with what it found."""
-    @functools.wraps(method)
-    def entry(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except _Relayout as relayout:
-            self._given = relayout.every
-            return method(self, *args, **kwargs)
-    return entry
 
 
 class Problem:
@@ -192,8 +148,6 @@ class Problem:
                                  "a distributed value needs an axis 0 to split.")
         self._layouts = {}
         self._fixed = {}
-        self._agreed = {}  # (local shapes, request) -> every rank's part, as last agreed
-        self._given = None  # every rank's part, from a deferred agreement (`_Relayout`)
         self._programs = {}
         self._device = {}
         self._traced_run = None  # (inputs, traced run program) of the newest layout
@@ -201,8 +155,8 @@ class Problem:
         self._token = jnp.zeros((), np.float64)
         self._calls = 0  # the token's value: lean host calls run so far
         # (the options that shape the programs are part of the first request)
-        layout, _ = self._layout(self._point, ("Problem", f"backend={self.backend}",
-                                               f"fuse={self.fuse}"))
+        layout = self._layout(self._point, ("Problem", f"backend={self.backend}",
+                                            f"fuse={self.fuse}"))
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
         if unknown:
@@ -226,7 +180,6 @@ class Problem:
         """
         return self._schedule
 
-    @_relayout_once
     def run(self, **inputs):
         """Evaluate the model at `inputs` (others keep their current values).
 
@@ -246,14 +199,13 @@ class Problem:
                 raise ValueError(f"run({name}=...): no input named '{name}'; inputs are "
                                  f"{list(self.input_names)}.")
             point[name] = _as_input(f"run({name}=...)", value)
-        layout, agreed = self._layout(point, ("run",), defer=True)
-        outs = self._execute(self._program("run", (), layout), point, agreed)
+        layout = self._layout(point, ("run",))
+        outs = self._execute(self._program("run", (), layout), point)
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **outs}, "run")
         self._point = point
         return outs
 
-    @_relayout_once
     def compute_totals(self, of=None, wrt=None, *, mode="batched", return_format="global"):
         """Total derivatives of outputs with respect to inputs, at the current point.
 
@@ -272,8 +224,8 @@ class Problem:
         result, read-only like `run`'s values where no gathering copied them
         (`.copy()` one to change it).
         """
-        layout, agreed = self._layout(self._point, ("compute_totals", repr(of), repr(wrt),
-                                                    mode, return_format), defer=True)
+        layout = self._layout(self._point, ("compute_totals", repr(of), repr(wrt), mode,
+                                            return_format))
         of = self._names("compute_totals", "of", of, self.output_names,
                          layout.differentiable["outputs"])
         wrt = self._names("compute_totals", "wrt", wrt, self.input_names,
@@ -286,7 +238,7 @@ class Problem:
         if not of or not wrt:
             return {}
         program = self._program("compute_totals", (mode, of, wrt), layout)
-        cts = self._execute(program, self._point, agreed)
+        cts = self._execute(program, self._point)
         return _totals.assemble(self, layout, cts, of, wrt, return_format)
 
     def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
@@ -430,28 +382,13 @@ class Problem:
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
         return {name: seeds[name] for name in layout.outputs}
 
-    def _layout(self, point, request, defer=False):
+    def _layout(self, point, request):
         """Agree with every rank on the request (the entry point and its arguments) and
         the shapes of `point` (one small collective per call), and return its `Layout`
-        (traced once per new shapes, on every rank).
-
-        **Arguments:**
-        - `point`, `request`: the inputs, and what the caller asks for.
-        - `defer`: leave the agreement to the program `_execute` runs next, where this
-          rank made the same request on the same shapes before, with success: it then
-          assumes that every rank's part is as it was, and the program's first host
-          call that may communicate checks that, before any collective of its own (or
-          the end of the program, if no call does). The ranks then meet once where
-          they would meet twice. Where a rank did not make the same request, every rank
-          raises; where another rank's distributed input changed size, every rank
-          builds the new layout and runs again (`_Relayout`).
-
-        **Returns:** (the `Layout`, the `_Agreed` request to pass to `_execute`, or None
-        in one process).
-        """
+        (traced once per new shapes, on every rank)."""
         local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
         dist_inputs = [k for k in point if k in self.distributed]
-        counts, agreed = (), None
+        counts = ()
         if self.comm.Get_size() > 1:
             fixed = self._fixed.get((local, request))
             if fixed is None:  # what must agree, and its hash: once per shapes and request
@@ -459,21 +396,21 @@ class Problem:
                                for k, s, d in local)
                 fixed = self._fixed[local, request] = ((request, shapes),
                                                        _stable_hash((request, shapes)))
-            every, self._given = self._given, None
-            assumed = (self._agreed.get((local, request))
-                       if defer and every is None and not _safety.settings.check_collectives
-                       else None)
-            if assumed is not None:
-                every = assumed
-            elif every is None:
-                mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
-                                dtype=np.int64)
-                every = np.empty((self.comm.Get_size(), mine.size), np.int64)
-                with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
-                    self.comm.Allgather(mine, every)
-                if (every[:, 0] != every[0, 0]).any():
-                    self._disagree(fixed[0])
-            agreed = _Agreed((local, request), every, fixed[0], assumed is not None)
+            mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
+                            dtype=np.int64)
+            every = np.empty((self.comm.Get_size(), mine.size), np.int64)
+            with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
+                self.comm.Allgather(mine, every)
+            if (every[:, 0] != every[0, 0]).any():
+                shapes = self.comm.allgather(fixed[0])
+                raise DistopError(
+                    "the ranks called different entry points, with different arguments, or "
+                    "passed inputs of different shapes or dtypes, so they would run "
+                    "different programs:\n"
+                    + "\n".join(f"  rank {r}: {c} {s}" for r, (c, s) in enumerate(shapes))
+                    + "\nCall the same methods with the same arguments and shapes on every "
+                    "rank; only inputs named in Problem(distributed=...) may differ, and "
+                    "only in axis 0.")
             counts = tuple(map(tuple, every[:, 1:].T.tolist()))
         key = (local, counts)
         layout = self._layouts.get(key)
@@ -481,29 +418,7 @@ class Problem:
             with _collector_paused():
                 layout = self._layouts[key] = self._new_layout(
                     point, dict(zip(dist_inputs, counts)))
-        return layout, agreed
-
-    def _disagree(self, described):
-        """Raise on every rank: the ranks made different requests (`described`: this
-        rank's request and shapes)."""
-        shapes = self.comm.allgather(described)
-        raise DistopError(
-            "the ranks called different entry points, with different arguments, or "
-            "passed inputs of different shapes or dtypes, so they would run "
-            "different programs:\n"
-            + "\n".join(f"  rank {r}: {c} {s}" for r, (c, s) in enumerate(shapes))
-            + "\nCall the same methods with the same arguments and shapes on every "
-            "rank; only inputs named in Problem(distributed=...) may differ, and "
-            "only in axis 0.")
-
-    def _confirm(self, agreed):
-        """The agreement `_layout` deferred: raise `_Disagreed` (on every rank) if some
-        rank's part is not the one assumed."""
-        every = np.empty_like(agreed.every)
-        with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
-            self.comm.Allgather(agreed.every[self.comm.Get_rank()], every)
-        if not np.array_equal(every, agreed.every):
-            raise _Disagreed(every)
+        return layout
 
     def _new_layout(self, point, counts):
         """The `Layout` of a point with new shapes (traces the model, on every rank)."""
@@ -590,8 +505,7 @@ class Problem:
                    and self.comm.Get_size() > 1 else None)
         calls = _rewrite.lean_calls(jaxpr.jaxpr)
         found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              len(calls),
-                                              not _schedule.talks_outside(jaxpr))
+                                              len(calls))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
         return found
@@ -717,30 +631,11 @@ class Problem:
                              lambda: fn.trace(token, layout.inputs, *specs))
         return fn, outputs, traced.jaxpr
 
-    def _execute(self, program, point, agreed=None):
-        """Run `program` at `point`; `agreed`: the request, from `_layout` (its
-        agreement made by the program's first communicating host call if deferred).
-
-        **Returns:** the program's values, as read-only numpy arrays.
-        """
-        deferred = agreed is not None and agreed.deferred
+    def _execute(self, program, point):
         try:
-            if deferred and not program.defers:
-                self._confirm(agreed)  # before the program, after all
-                deferred = False
-            if deferred:
-                _callback.defer(functools.partial(self._confirm, agreed))
-            try:
-                *packed, token = program.fn(self._token, self._on_device(point),
-                                            *program.extra)
-                values = _unpack(packed, program.plan)
-            finally:
-                if deferred:
-                    try:  # where no host call made it (the program has none, or failed)
-                        _callback.settle()
-                    finally:
-                        _callback.defer(None)
-            self._token = token
+            *packed, self._token = program.fn(self._token, self._on_device(point),
+                                              *program.extra)
+            values = _unpack(packed, program.plan)
             if program.calls:
                 # (float() of a JAX array costs ten times more than through numpy)
                 calls, self._calls = self._calls, float(np.asarray(self._token))
@@ -755,31 +650,16 @@ class Problem:
                 # meets the others' next collective here, and every rank raises.
                 with _safety.watchdog.watch("Problem: end of program"):
                     program.checker.agree(("end of program",))
-        except _Disagreed as err:
-            take_error()  # (of a failed host call whose program then ended here)
-            self._disagreed(agreed, err.every)
+            return values
         except (JaxRuntimeError, ValueError) as err:
             # A host call's error: JAX raises ValueError where its C++ dispatch runs the
             # program (as of jax 0.10.2), else JaxRuntimeError; with the error's text.
             cause = take_error()
             if isinstance(err, ValueError) and str(cause) not in str(err):
                 cause = None  # a ValueError of its own
-            if isinstance(cause, _Disagreed):
-                self._disagreed(agreed, cause.every)
             if cause is not None:
                 raise cause from None
             raise
-        if agreed is not None:
-            self._agreed[agreed.key] = agreed.every
-        return values
-
-    def _disagreed(self, agreed, every):
-        """After a deferred agreement found another rank's part not as assumed (this
-        rank's program stopped before any collective of its own): raise on every rank,
-        or, where only distributed inputs' sizes changed, `_Relayout`."""
-        if (every[:, 0] != every[0, 0]).any():
-            self._disagree(agreed.described)
-        raise _Relayout(every)
 
     def _on_device(self, point):
         """The point's arrays on the device, transferred once per new array."""

@@ -30,7 +30,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_as_fun, new_jaxpr_eqn
 
 from . import _safety
-from ._callback import before_call, rows_of
+from ._callback import rows_of
 from ._comm import mpi
 from ._compat import ShapedArray
 
@@ -73,7 +73,6 @@ class FusedCall:
     def __call__(self, *args, out=None):
         """Run the members in order; `out`: XLA's buffers of the returned results, each
         offered to the member that computes it when all of its results are returned."""
-        before_call()
         rows = self._agree_rows(args) if self._agreeing else {}
         results = []
         for i, (member, wiring, offer) in enumerate(zip(self.members, self.wiring,

@@ -139,24 +139,6 @@ def _walk(jaxpr, context, found, calls):
                     _walk(j, where, found, calls)
 
 
-def talks_outside(closed_jaxpr):
-    """Whether something in a program besides distop's host calls may communicate: a
-    callback of the user's own (`io_callback`, `pure_callback`) or any other operation
-    with effects (mpi4jax's collectives, say). Such a program agrees on its request
-    before it runs (see `Problem._layout`)."""
-    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
-    for eqn in jaxpr.eqns:
-        if isinstance(eqn.params.get("call"), (HostCall, FusedCall)):
-            continue
-        inner = [j for value in eqn.params.values()
-                 for j in (value if isinstance(value, (tuple, list)) else (value,))
-                 if hasattr(getattr(j, "jaxpr", j), "eqns")]
-        if any(talks_outside(j) for j in inner) or (
-                not inner and (eqn.effects or "callback" in eqn.primitive.name)):
-            return True
-    return False
-
-
 def _entry(index, call, context, group, made=True):
     op = call.op
     inputs = call.in_specs

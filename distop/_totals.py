@@ -136,8 +136,8 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
     comm, rank = problem.comm, problem.comm.Get_rank()
     point = problem._point
-    layout, _ = problem._layout(point, ("check_totals", repr(of), repr(wrt), method, form,
-                                        step))
+    layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), method, form,
+                                     step))
     of = problem._names("check_totals", "of", of, problem.output_names,
                         layout.differentiable["outputs"])
     wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,

@@ -193,12 +193,7 @@ class Problem:
         current point; distop keeps its own copy of numpy inputs (JAX arrays, being
         immutable, are shared).
         """
-        point = dict(self._point)
-        for name, value in inputs.items():
-            if name not in point:
-                raise ValueError(f"run({name}=...): no input named '{name}'; inputs are "
-                                 f"{list(self.input_names)}.")
-            point[name] = _as_input(f"run({name}=...)", value)
+        point = self._moved("run", inputs)
         layout = self._layout(point, ("run",))
         outs = self._execute(self._program("run", (), layout), point)
         if self.check_replicated:
@@ -224,22 +219,42 @@ class Problem:
         result, read-only like `run`'s values where no gathering copied them
         (`.copy()` one to change it).
         """
-        layout = self._layout(self._point, ("compute_totals", repr(of), repr(wrt), mode,
-                                            return_format))
-        of = self._names("compute_totals", "of", of, self.output_names,
-                         layout.differentiable["outputs"])
-        wrt = self._names("compute_totals", "wrt", wrt, self.input_names,
-                          layout.differentiable["inputs"])
-        if mode not in MODES:
-            raise ValueError(f"compute_totals(mode={mode!r}): expected one of {list(MODES)}.")
-        if return_format not in FORMATS:
-            raise ValueError(f"compute_totals(return_format={return_format!r}): expected "
-                             f"one of {list(FORMATS)}.")
+        layout, of, wrt = self._totals_request("compute_totals", self._point, of, wrt, mode,
+                                               return_format)
         if not of or not wrt:
             return {}
         program = self._program("compute_totals", (mode, of, wrt), layout)
         cts = self._execute(program, self._point)
         return _totals.assemble(self, layout, cts, of, wrt, return_format)
+
+    def run_and_compute_totals(self, of=None, wrt=None, *, inputs=None, mode="batched",
+                               return_format="global"):
+        """`run` and then `compute_totals`, in one program: the values and the total
+        derivatives at one point, with one dispatch and one agreement across ranks
+        where the two calls make two, and each forward call made once (the values and
+        the reverse sweep share it).
+
+        **Arguments:**
+        - `of`, `wrt`, `mode`, `return_format`: as for `compute_totals`.
+        - `inputs`: dict of name -> array, the inputs to change first, as for
+          `run(**inputs)`; None: the current point.
+
+        **Returns:** `(values, totals)`: what `run` and `compute_totals` return. The
+        evaluated point becomes the current point.
+        """
+        point = self._moved("run_and_compute_totals", inputs or {})
+        layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
+                                               mode, return_format)
+        if not of or not wrt:
+            return self.run(**(inputs or {})), {}
+        out = self._execute(self._program("compute_totals", (mode, of, wrt, True), layout),
+                            point)
+        values = {k: out["value", k] for k in layout.outputs}
+        if self.check_replicated:
+            _totals.check_replicated(self, {**point, **values}, "run_and_compute_totals")
+        self._point = point
+        cts = {k: out["total", k] for k in wrt}
+        return values, _totals.assemble(self, layout, cts, of, wrt, return_format)
 
     def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
                      atol=1e-8, rtol=1e-6, out_stream=sys.stdout, raise_on_error=False,
@@ -266,6 +281,32 @@ class Problem:
                                     atol=atol, rtol=rtol, out_stream=out_stream,
                                     raise_on_error=raise_on_error,
                                     show_only_incorrect=show_only_incorrect)
+
+    def _moved(self, method, inputs):
+        """**Returns:** the current point with `inputs` (name -> array) in it."""
+        point = dict(self._point)
+        for name, value in inputs.items():
+            if name not in point:
+                raise ValueError(f"{method}({name}=...): no input named '{name}'; inputs "
+                                 f"are {list(self.input_names)}.")
+            point[name] = _as_input(f"{method}({name}=...)", value)
+        return point
+
+    def _totals_request(self, method, point, of, wrt, mode, return_format):
+        """Agree on a request for totals at `point` and check its arguments.
+
+        **Returns:** (the `Layout`, the `of` names, the `wrt` names)."""
+        layout = self._layout(point, (method, repr(of), repr(wrt), mode, return_format))
+        of = self._names(method, "of", of, self.output_names,
+                         layout.differentiable["outputs"])
+        wrt = self._names(method, "wrt", wrt, self.input_names,
+                          layout.differentiable["inputs"])
+        if mode not in MODES:
+            raise ValueError(f"{method}(mode={mode!r}): expected one of {list(MODES)}.")
+        if return_format not in FORMATS:
+            raise ValueError(f"{method}(return_format={return_format!r}): expected one of "
+                             f"{list(FORMATS)}.")
+        return layout, of, wrt
 
     # -- programs -------------------------------------------------------------------
     def _call_model(self, point):
@@ -295,7 +336,7 @@ class Problem:
             return lambda point, deltas: batch(
                 lambda d: self._call_model({**point, **{k: point[k] + d[k] for k in d}}),
                 deltas)
-        mode, _, wrt = options
+        mode, _, wrt, *with_values = options  # (with_values: run_and_compute_totals)
         if mode == "batched" and not vectorize:
             mode = "loop"
         diff_names = wrt  # differentiate only what was asked for
@@ -304,28 +345,35 @@ class Problem:
             seeds = self._split_seeds(packed, layout)
             diff = {k: point[k] for k in diff_names}
             rest = {k: v for k, v in point.items() if k not in diff}
-            pullback = self._pullback(lambda d: self._call_model({**rest, **d}), diff)
+            values, pullback = self._pullback(lambda d: self._call_model({**rest, **d}),
+                                              diff)
             if mode == "batched":
-                return batch(lambda seed: pullback(seed)[0], seeds)
-            if mode == "loop":
-                return lax.scan(lambda carry, seed: (carry, pullback(seed)), None, seeds)[1][0]
-            n = next(iter(seeds.values())).shape[0]
-            rows = [pullback({k: _row(v, i) for k, v in seeds.items()})[0] for i in range(n)]
-            return {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
+                cts = batch(lambda seed: pullback(seed)[0], seeds)
+            elif mode == "loop":
+                cts = lax.scan(lambda carry, seed: (carry, pullback(seed)), None, seeds)[1][0]
+            else:
+                n = next(iter(seeds.values())).shape[0]
+                rows = [pullback({k: _row(v, i) for k, v in seeds.items()})[0]
+                        for i in range(n)]
+                cts = {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
+            if not with_values:
+                return cts
+            return {**{("value", k): v for k, v in values.items()},
+                    **{("total", k): v for k, v in cts.items()}}
 
         return totals
 
     @staticmethod
     def _pullback(fn, diff):
-        """`jax.vjp(fn, diff)[1]`; on the lean path the token leaves `jax.vjp` as an
-        output of its own (with a zero cotangent), so the backward calls continue the
-        forward calls' chain."""
+        """`jax.vjp(fn, diff)`: the values and the pullback; on the lean path the token
+        leaves `jax.vjp` as an output of its own (with a zero cotangent), so the
+        backward calls continue the forward calls' chain."""
         session = _ffi.session()
         if session is None:
-            return jax.vjp(fn, diff)[1]
-        (_, session.token), pullback = jax.vjp(lambda d: (fn(d), session.token), diff)
+            return jax.vjp(fn, diff)
+        (values, session.token), pullback = jax.vjp(lambda d: (fn(d), session.token), diff)
         zero = jnp.zeros(())
-        return lambda seed: pullback((seed, zero))
+        return values, lambda seed: pullback((seed, zero))
 
     def _seeds(self, of, layout, specs_only=False):
         """One unit cotangent per global row of the requested outputs: a row of a

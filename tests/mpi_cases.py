@@ -620,5 +620,32 @@ def a_model_with_collectives_of_its_own_and_changing_block_sizes():
     assert not logged, [r.getMessage() for r in logged]  # no callback failed
 
 
+@case("core")
+def run_and_compute_totals_gives_what_run_then_compute_totals_give():
+    a_local, _, x0, w = dm.setup(8, 3, comm)
+    for backend in ("lean", "io_callback"):
+        for variant in ("reverse", "forward"):
+            problem, twin = (distop.Problem(dm.build(a_local, w, variant), {"x": x0},
+                                            backend=backend) for _ in range(2))
+            for x in (x0 + 0.25, x0 - 1.0):
+                values, totals = problem.run_and_compute_totals(inputs={"x": x})
+                expected = twin.run(x=x), twin.compute_totals()
+                for got, want in zip((values, totals), expected):
+                    assert got.keys() == want.keys()
+                    for k in got:
+                        np.testing.assert_array_equal(got[k], want[k])
+    op = distop.AllreduceSum()
+    problem = distop.Problem(lambda b: {"s": op(jnp.sum(b * b))}, {"b": np.ones(2)},
+                             distributed=["b"])
+    for sizes in ([2] * size, [1 + r for r in range(size)]):
+        values, totals = problem.run_and_compute_totals(
+            inputs={"b": np.full(sizes[rank], 1.0 + rank)})
+        assert values["s"] == sum(n * (1.0 + r) ** 2 for r, n in enumerate(sizes))
+        np.testing.assert_array_equal(totals["s", "b"], [np.concatenate(
+            [np.full(n, 2.0 + 2 * r) for r, n in enumerate(sizes)])])
+        mine = problem.run_and_compute_totals(return_format="local")[1]["s", "b"]
+        np.testing.assert_array_equal(mine, [np.full(sizes[rank], 2.0 + 2 * rank)])
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

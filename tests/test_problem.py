@@ -43,6 +43,53 @@ def test_run_updates_the_current_point_and_recompiles_on_new_shapes():
     assert problem.compute_totals("g", "x")["g", "x"].shape == (5, 5)
 
 
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+@pytest.mark.parametrize("mode", ["batched", "loop", "unrolled"])
+def test_run_and_compute_totals_is_run_then_compute_totals_in_one_call(backend, mode):
+    calls = []
+
+    class Counted(Cube):
+        def forward(self, comm, x):
+            calls.append("forward")
+            return super().forward(comm, x)
+
+        def vjp(self, comm, y_bar, x):
+            calls.append("vjp")
+            return super().vjp(comm, y_bar, x)
+
+    def model(x, y, k):
+        c = Counted()(x)
+        return {"f": jnp.sum(c) * y, "g": c * 2.0, "n": k + 1}
+
+    inputs = {"x": np.arange(1.0, 4.0), "y": 2.0, "k": np.int32(3)}
+    problem = distop.Problem(model, inputs, backend=backend)
+    twin = distop.Problem(model, inputs, backend=backend)
+    for point, of, wrt, form in (({"y": 3.0}, None, None, "global"), ({}, "g", "x", "local"),
+                                 ({"x": np.ones(3)}, ["f"], ["x", "y"], "global")):
+        calls.clear()
+        values, totals = problem.run_and_compute_totals(of, wrt, inputs=point, mode=mode,
+                                                         return_format=form)
+        # one program: the forward call once, the vjp once (batched) or once per seed
+        assert calls.count("forward") == 1 and calls[0] == "forward", calls
+        expected = twin.run(**point)
+        assert values.keys() == expected.keys()
+        for k in values:
+            np.testing.assert_array_equal(values[k], expected[k])
+        expected = twin.compute_totals(of, wrt, mode=mode, return_format=form)
+        assert totals.keys() == expected.keys()
+        for k in totals:
+            np.testing.assert_array_equal(totals[k], expected[k])
+        # the evaluated point became the current point
+        np.testing.assert_array_equal(problem.run()["g"], twin.run()["g"])
+    with pytest.raises(ValueError, match=r"run_and_compute_totals\(of=\['h'\]\): no output"):
+        problem.run_and_compute_totals(["h"])
+    with pytest.raises(ValueError, match=r"run_and_compute_totals\(z=...\): no input"):
+        problem.run_and_compute_totals(inputs={"z": 1.0})
+    with pytest.raises(ValueError, match=r"run_and_compute_totals\(mode='fast'\)"):
+        problem.run_and_compute_totals(mode="fast")
+    assert problem.run_and_compute_totals(wrt=[])[1] == {}
+
+
 def test_schedule_lists_forward_then_vjp(matvec):
     a_local, _, x0, w = matvec
     problem = distop.Problem(dm.build(a_local, w, "reverse"), {"x": x0})

@@ -18,11 +18,13 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
 
 1. `matvec`: the scenario of examples/distributed_matvec.py (M=400; K objectives
    f_k = w_k . y of one operator y = (sum_r A_r) x), `run` and `compute_totals`, and
-   `run+totals`: the values and the gradients at one point. `hand` and `floor` compute
-   values and gradients together in their `compute_totals` (and again in `run+totals`),
-   while distop's `compute_totals` returns gradients only and makes no forward call
-   whose value nothing in the reverse sweep reads, so `run+totals` (`run`, then
-   `compute_totals`) is the like-for-like row for distop:
+   two rows of the values and the gradients at one point: `run+totals` and
+   `run_and_compute_totals`. `hand` and `floor` compute values and gradients together
+   in their `compute_totals` (and again in both rows), while distop's `compute_totals`
+   returns gradients only and makes no forward call whose value nothing in the reverse
+   sweep reads, so the last two rows are the like-for-like ones for distop: `run`,
+   then `compute_totals` (two programs), and `run_and_compute_totals` (one program;
+   OpenMDAO's model makes its two calls in both rows):
    - `hand`: numpy + mpi4py (benchmarks/matvec.py's `hand_written`: one Allreduce, and
      one batched Allreduce for the K gradients);
    - `floor`: one jitted program with bare ordered io_callbacks doing the hand-written
@@ -110,7 +112,7 @@ QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 1
          "ranks": [1, 2], "chain_ranks": [2], "large_ranks": [2], "timeout": 300,
          "large_size": 100_000}
 MATVEC = ("hand", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax", "openmdao")
-MATVEC_ENTRIES = ("run", "compute_totals", "run+totals")
+MATVEC_ENTRIES = ("run", "compute_totals", "run+totals", "run_and_compute_totals")
 RATIOS = (("lean", "hand"), ("lean", "floor"), ("lean", "mpi4jax"), ("openmdao", "lean"),
           ("nofuse", "lean"), ("io_cb", "lean"), ("unord", "lean"))
 
@@ -282,17 +284,19 @@ def matvec_variants(bench, k):
 
 def timed_calls(variant):
     """**Returns:** the calls to time of a variant: run, compute_totals, and values with
-    gradients (`run` then `compute_totals` for a Problem; a `Jitted` computes both in
-    its second program)."""
+    gradients twice: `run` then `compute_totals`, and `run_and_compute_totals` for a
+    Problem (a `Jitted` computes both in its second program, the OpenMDAO model in its
+    two calls)."""
     if isinstance(variant, Jitted):
         run, totals = variant.calls()
-        return run, totals, totals
+        return run, totals, totals, totals
 
     def both():
         variant.run()
         variant.compute_totals()
 
-    return variant.run, variant.compute_totals, both
+    return (variant.run, variant.compute_totals, both,
+            getattr(variant, "run_and_compute_totals", both))
 
 
 def matvec_case(bench, k):
@@ -302,7 +306,7 @@ def matvec_case(bench, k):
               for name, v in variants.items()}
     hand = (lambda: bench.mv.hand_written(a_local, w, x0, gradients=False),
             lambda: bench.mv.hand_written(a_local, w, x0))
-    calls = {"hand": (*hand, hand[1])}
+    calls = {"hand": (*hand, hand[1], hand[1])}
     calls.update({name: timed_calls(v) for name, v in variants.items()})
     return {"K": k, "median": bench.interleaved(calls), "first": first, "error": errors,
             "calls": {n: host_calls(v) for n, v in variants.items()
@@ -619,7 +623,8 @@ def matvec_tables(results, args):
     for p, r in results.items():
         for row in r["rows"]:
             for which, entry in enumerate(MATVEC_ENTRIES):
-                m = {n: row["median"].get(n, [None] * 3)[which] for n in names}
+                m = {n: row["median"].get(n, [None] * len(MATVEC_ENTRIES))[which]
+                     for n in names}
                 rows.append([p, str(row["K"]), entry, *(fmt(m[n], "ms") for n in names),
                              *(fmt(ratio(m[a], m[b]), "x") for a, b in pairs)])
     print_table(f"matvec, M={args.size}: per call (ms), max over ranks of the median of "

@@ -38,6 +38,7 @@ def test_matvec_section_compares_every_variant_on_the_same_values(tmp_path):
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "lean/hand" in proc.stdout and "openmdao/lean" in proc.stdout, proc.stdout
+    assert "run_and_compute_totals" in proc.stdout, proc.stdout
     results = json.loads(out.read_text())
     assert not results["failures"]
     rows = results["results"]["matvec"]["2"]["rows"]

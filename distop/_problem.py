@@ -249,7 +249,7 @@ class Problem:
             return self.run(**(inputs or {})), {}
         out = self._execute(self._program("compute_totals", (mode, of, wrt, True), layout),
                             point)
-        values = {k: out["value", k] for k in layout.outputs}
+        values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **values}, "run_and_compute_totals")
         self._point = point
@@ -345,8 +345,14 @@ class Problem:
             seeds = self._split_seeds(packed, layout)
             diff = {k: point[k] for k in diff_names}
             rest = {k: v for k, v in point.items() if k not in diff}
-            values, pullback = self._pullback(lambda d: self._call_model({**rest, **d}),
-                                              diff)
+            order = []  # the model's order of its outputs (jax.vjp's is sorted)
+
+            def model(d):
+                values = self._call_model({**rest, **d})
+                order[:] = values
+                return values
+
+            values, pullback = self._pullback(model, diff)
             if mode == "batched":
                 cts = batch(lambda seed: pullback(seed)[0], seeds)
             elif mode == "loop":
@@ -358,7 +364,9 @@ class Problem:
                 cts = {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
             if not with_values:
                 return cts
-            return {**{("value", k): v for k, v in values.items()},
+            # (packed in the model's order, as `run` packs them: XLA then makes no copy
+            # of the slices of a vector)
+            return {**{("value", k): values[k] for k in order},
                     **{("total", k): v for k, v in cts.items()}}
 
         return totals
@@ -835,12 +843,19 @@ def _device(array):
         return jax.device_put(array)
 
 
+def _group(name, dtype):
+    """The packed array (see `_pack`) that output `name` goes to: one per dtype, and per
+    kind of output where the names say (`("value", k)`, `("total", k)`): XLA leaves out
+    a concatenation of a vector's own slices, not one of slices and other values."""
+    return np.dtype(dtype), name[0] if isinstance(name, tuple) else None
+
+
 def _pack(values):
-    """Concatenate a dict of arrays into one flat array per dtype: a program with few
+    """Concatenate a dict of arrays into few flat arrays (`_group`): a program with few
     outputs dispatches faster than one with many."""
     groups = {}
-    for v in values.values():
-        groups.setdefault(jnp.dtype(v.dtype), []).append(v.ravel())
+    for k, v in values.items():
+        groups.setdefault(_group(k, v.dtype), []).append(v.ravel())
     return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values())
 
 
@@ -859,9 +874,9 @@ def _unpack_plan(outputs):
     """**Returns:** (name, group, start, stop, shape) for every output of `_pack`."""
     groups, plan = {}, []
     for k, (shape, dtype) in outputs.items():
-        g, start = groups.get(np.dtype(dtype), (len(groups), 0))
+        g, start = groups.get(_group(k, dtype), (len(groups), 0))
         stop = start + int(np.prod(shape))
-        groups[np.dtype(dtype)] = (g, stop)
+        groups[_group(k, dtype)] = (g, stop)
         plan.append((k, g, start, stop, tuple(shape)))
     return tuple(plan)
 

@@ -642,6 +642,41 @@ def _product(x, y):
     return np.multiply(x, y)
 
 
+def _selects(x, contracting):
+    """Whether `x` holds only -1, 0 and 1, with exactly one nonzero entry over its
+    `contracting` axes for every index of its other axes (a permutation matrix, the
+    unit seeds in another order, say)."""
+    if not np.isin(x, (-1, 0, 1)).all():
+        return False
+    rest = [a for a in range(x.ndim) if a not in contracting]
+    rows = np.transpose(x, rest + list(contracting)).reshape(
+        math.prod(x.shape[a] for a in rest), -1)
+    return bool(rows.shape[1]) and bool(((rows != 0).sum(axis=1) == 1).all())
+
+
+def _dot(x, y, dimension_numbers, **_):
+    """`dot_general` where one factor selects (`_selects`) and the other is finite, and
+    no result is zero: each result is then one entry of the other factor or its
+    negative, plus zeros, whichever way XLA sums them (a sum of zeros' signs aside,
+    hence no zero results)."""
+    (cx, cy), (bx, by) = dimension_numbers
+    if x.dtype != y.dtype or x.dtype.kind != "f" or not (_plain(x) and _plain(y)):
+        return None
+    if not ((_selects(x, cx) and np.isfinite(y).all())
+            or (_selects(y, cy) and np.isfinite(x).all())):
+        return None
+    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    sx, sy = [None] * x.ndim, [None] * y.ndim
+    for i, j in (*zip(bx, by), *zip(cx, cy)):
+        sx[i] = sy[j] = next(letters)
+    sx = [a or next(letters) for a in sx]
+    sy = [a or next(letters) for a in sy]
+    out = ([sx[i] for i in bx] + [a for i, a in enumerate(sx) if i not in (*bx, *cx)]
+           + [a for j, a in enumerate(sy) if j not in (*by, *cy)])
+    found = np.einsum(f"{''.join(sx)},{''.join(sy)}->{''.join(out)}", x, y)
+    return None if (found == 0).any() else found
+
+
 # The operations `fold_known` evaluates, each to the values XLA computes: data moved,
 # exact conversions, and arithmetic only where its result cannot depend on how it is
 # computed (XLA rewrites expressions of constants, `a / c` as `a * (1 / c)` or `a + 0`
@@ -669,6 +704,7 @@ _NUMPY = {
     "add_any": lambda x, y, **_: _sum(x, y),
     "sub": lambda x, y, **_: _sum(x, y, subtract=True),
     "mul": lambda x, y, **_: _product(x, y),
+    "dot_general": _dot,
 }
 
 

@@ -528,11 +528,38 @@ def test_values_known_before_the_program_runs_are_computed_once_exactly():
     assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, limit=8) is None
 
 
+def test_products_with_seeds_in_another_order_are_computed_ahead():
+    from distop import _rewrite
+
+    w = np.linspace(-1.0, 2.0, 12).reshape(3, 4)
+    closed = jax.make_jaxpr(lambda s: _rows(s, [2, 0, 1]) @ w)(np.eye(3))
+    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]})
+    assert "dot_general" not in [e.primitive.name for e in folded.jaxpr.eqns]
+    np.testing.assert_array_equal(folded.consts[-1], w[[2, 0, 1]])
+    # the matvec's objectives f0, f1, ..., f11 are seeded in the order of their names
+    # (f0, f1, f10, f11, f2, ...): the reverse sweep's first product, with the seeds in
+    # that order, is computed when the program is built, not by every call
+    a_local, a_global, x0, w = dm.setup(40, 12)
+    problem = distop.Problem(dm.build(a_local, w, "reverse"), {"x": x0})
+    jaxpr, _ = totals_jaxpr(problem)
+    # (the forward value w @ y is left, unused: XLA drops it)
+    assert all(e.invars[0].aval.shape == (12, 40) for e in jaxpr.eqns
+               if e.primitive.name == "dot_general"), jaxpr
+    for i in range(12):
+        np.testing.assert_allclose(problem.compute_totals()[f"f{i}", "x"][0],
+                                   w[i] @ a_global, rtol=1e-12)
+
+
 def test_a_large_output_makes_no_identity_of_its_size():
     # compute_totals' seeds for 1e5 outputs would be a 75 GiB identity: nothing makes it
     # until compute_totals is called (and then only a rank's rows)
     problem = distop.Problem(lambda x: {"y": Cube()(x)}, {"x": np.full(100_000, 2.0)})
     assert problem.run()["y"][0] == 8.0 and len(problem.schedule) == 2
+
+
+def _rows(s, order):
+    """The rows of `s` in `order`, moved by slices (which distop computes ahead)."""
+    return jnp.concatenate([s[i:i + 1] for i in order])
 
 
 @pytest.mark.parametrize("f", [
@@ -543,6 +570,18 @@ def test_a_large_output_makes_no_identity_of_its_size():
     lambda s: (s * np.array([np.inf, 1.0, 2.0]),),  # NaN from 0 * inf, no warning
     lambda s: (s[:2] * 2.0 + jax.random.normal(jax.random.key(0), (2, 3)),),
     lambda s: (jnp.exp(jnp.sum(s[:, 1:] @ np.ones((2, 4)), axis=1) * 0.3),),
+    # products with a permutation of the seeds, and their negatives, in every layout
+    lambda s: (_rows(s, [2, 0, 1]) @ np.linspace(-2.0, 3.0, 12).reshape(3, 4),),
+    lambda s: (np.linspace(0.5, 3.0, 6).reshape(2, 3) @ -_rows(s, [1, 2, 0]).T,),
+    lambda s: (jnp.einsum("ij,kj->ik", np.linspace(1.0, 2.0, 9).reshape(3, 3),
+                          _rows(s, [2, 1, 0])),),
+    lambda s: (jnp.einsum("bij,bjk->bik",
+                          jnp.concatenate([s[None], _rows(s, [1, 0, 2])[None]]),
+                          np.linspace(0.1, 1.0, 24).reshape(2, 3, 4)),),
+    # products that stay in the program: a zero result, a NaN, no selection
+    lambda s: (s @ np.array([[1.0, 0.0], [2.0, 3.0], [4.0, 5.0]]),),
+    lambda s: (s @ np.array([[np.nan, 1.0], [2.0, 3.0], [4.0, 5.0]]),),
+    lambda s: ((s + _rows(s, [2, 1, 0])) @ np.linspace(1.0, 2.0, 6).reshape(3, 2) * 0.1,),
 ])
 def test_values_computed_ahead_are_the_program_s_bit_for_bit(f):
     from jax.extend.core import jaxpr_as_fun

@@ -419,7 +419,11 @@ class HostCall:
     def _fail(self, err):
         global _last_error
         if not isinstance(err, (OperatorError, CollectiveMismatchError)):
-            err = OperatorError(self._say(f"raised {type(err).__name__}: {err}"))
+            # (a message that cannot be encoded, a lone surrogate in it, say, would fail
+            # again where XLA takes it: shown escaped instead)
+            text = f"raised {type(err).__name__}: {err}"
+            err = OperatorError(self._say(
+                text.encode("utf-8", "backslashreplace").decode("utf-8")))
             err.__cause__ = sys.exc_info()[1]
         size = self.comm.Get_size() if self.comm is not None else 1
         if self.checker is not None and not isinstance(err, CollectiveMismatchError):

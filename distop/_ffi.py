@@ -206,7 +206,7 @@ def _handler(frame_pointer):
         return None
     except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
         api = C.cast(frame.api, C.POINTER(_Api)).contents
-        text = f"{type(err).__name__}: {err}".encode()
+        text = f"{type(err).__name__}: {err}".encode("utf-8", "backslashreplace")
         args = _ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, text, _INTERNAL)
         return api.error_create(C.byref(args))
 

@@ -239,9 +239,13 @@ class Problem:
         - `inputs`: dict of name -> array, the inputs to change first, as for
           `run(**inputs)`; None: the current point.
 
-        **Returns:** `(values, totals)`: what `run` and `compute_totals` return. The
-        evaluated point becomes the current point.
+        **Returns:** `(values, totals)`: what `run` and `compute_totals` return, the
+        totals to round-off (XLA compiles the reverse sweep beside the values, and may
+        order its arithmetic otherwise). The evaluated point becomes the current point.
         """
+        if inputs is not None and not isinstance(inputs, dict):
+            raise TypeError("run_and_compute_totals(inputs=...): expected a dict of name -> "
+                            f"array; got a {type(inputs).__name__}.")
         point = self._moved("run_and_compute_totals", inputs or {})
         layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
                                                mode, return_format)

@@ -87,6 +87,8 @@ def test_run_and_compute_totals_is_run_then_compute_totals_in_one_call(backend, 
         problem.run_and_compute_totals(inputs={"z": 1.0})
     with pytest.raises(ValueError, match=r"run_and_compute_totals\(mode='fast'\)"):
         problem.run_and_compute_totals(mode="fast")
+    with pytest.raises(TypeError, match=r"run_and_compute_totals\(inputs=...\): expected a dict"):
+        problem.run_and_compute_totals(inputs=[("x", np.ones(3))])
     assert problem.run_and_compute_totals(wrt=[])[1] == {}
 
 
@@ -165,6 +167,32 @@ def test_user_error_after_calls_that_worked_is_raised_as_itself(backend):
     with pytest.raises(distop.OperatorError, match=r"LaterBoom.forward on rank 0: raised "
                                                    r"KeyError: 'later'"):
         problem.run()
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_an_error_message_that_cannot_be_encoded_is_raised_escaped(backend):
+    # (in a process of its own: where the message reached XLA as it was, the process
+    # crashed, on both backends)
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, numpy as np, distop\n"
+        "jax.config.update('jax_enable_x64', True)\n"
+        "class Boom(distop.DistributedOperator):\n"
+        "    def forward(self, comm, x):\n"
+        "        raise RuntimeError('bad byte \\udc80')\n"
+        f"p = distop.Problem(lambda x: {{'y': Boom()(x)}}, {{'x': np.ones(3)}}, "
+        f"backend={backend!r})\n"
+        "try:\n"
+        "    p.run()\n"
+        "except distop.OperatorError as err:\n"
+        "    print('raised:', ascii(str(err)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "raised: 'Boom.forward on rank 0: raised RuntimeError: bad byte \\\\udc80'" in (
+        proc.stdout), proc.stdout
 
 
 # -- the lean path's rewrites (ordered=True: the lean path in one process too) ----------

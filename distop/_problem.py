@@ -249,16 +249,18 @@ class Problem:
         point = self._moved("run_and_compute_totals", inputs or {})
         layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
                                                mode, return_format)
-        if not of or not wrt:
-            return self.run(**(inputs or {})), {}
-        out = self._execute(self._program("compute_totals", (mode, of, wrt, True), layout),
-                            point)
-        values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
+        if of and wrt:
+            out = self._execute(self._program("compute_totals", (mode, of, wrt, True),
+                                              layout), point)
+            values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
+            totals = _totals.assemble(self, layout, {k: out["total", k] for k in wrt}, of,
+                                      wrt, return_format)
+        else:  # nothing to differentiate: `run`'s program, on the request agreed above
+            values, totals = self._execute(self._program("run", (), layout), point), {}
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **values}, "run_and_compute_totals")
         self._point = point
-        cts = {k: out["total", k] for k in wrt}
-        return values, _totals.assemble(self, layout, cts, of, wrt, return_format)
+        return values, totals
 
     def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
                      atol=1e-8, rtol=1e-6, out_stream=sys.stdout, raise_on_error=False,

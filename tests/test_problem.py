@@ -89,7 +89,9 @@ def test_run_and_compute_totals_is_run_then_compute_totals_in_one_call(backend, 
         problem.run_and_compute_totals(mode="fast")
     with pytest.raises(TypeError, match=r"run_and_compute_totals\(inputs=...\): expected a dict"):
         problem.run_and_compute_totals(inputs=[("x", np.ones(3))])
-    assert problem.run_and_compute_totals(wrt=[])[1] == {}
+    values, totals = problem.run_and_compute_totals(wrt=[], inputs={"y": 5.0})
+    assert totals == {}
+    np.testing.assert_array_equal(values["f"], twin.run(y=5.0)["f"])
 
 
 def test_schedule_lists_forward_then_vjp(matvec):

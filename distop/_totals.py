@@ -3,7 +3,6 @@ cross-rank consistency checks they rely on."""
 
 import dataclasses
 import hashlib
-import itertools
 import time
 
 import numpy as np
@@ -46,18 +45,18 @@ def assemble(problem, layout, cts, of, wrt, return_format):
     **Returns:** dict `(of, wrt)` -> 2-D numpy array.
     """
     comm, rank = problem.comm, problem.comm.Get_rank()
-    sizes = [layout.global_size(o) for o in of]
-    offsets = list(itertools.accumulate(sizes, initial=0))
+    offsets = layout.offsets(of)
+    local = [(o, offsets[i]) + layout.local_rows(o, rank) for i, o in enumerate(of)
+             if return_format == "local" and o in layout.counts]
     totals = {}
     for w in wrt:
         block = cts[w].reshape(offsets[-1], -1)
         if w in layout.counts and return_format == "global":
             block = gather_columns(comm, block, _flat_counts(layout, w))
-        for o, offset, size in zip(of, offsets, sizes):
-            start, stop = 0, size
-            if return_format == "local" and o in layout.counts:
-                start, stop = layout.local_rows(o, rank)
-            # a view of the program's result (read-only), not a copy
+        # views of the program's result (read-only), not copies
+        for o, start, stop in zip(of, offsets, offsets[1:]):
+            totals[o, w] = block[start:stop]
+        for o, offset, start, stop in local:  # this rank's rows of a distributed `of`
             totals[o, w] = block[offset + start:offset + stop]
     return totals
 

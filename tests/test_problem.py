@@ -846,3 +846,32 @@ def test_an_integer_output_is_left_out_of_the_totals_in_every_mode(backend):
         J = problem.compute_totals(mode=mode)
         assert list(J) == [("f", "x")], (mode, J)
         np.testing.assert_array_equal(J["f", "x"], [[2.0, 4.0]])
+
+
+def test_inputs_are_private_copies_that_the_programs_read_in_place():
+    from distop._problem import _REUSES
+
+    problem = distop.Problem(lambda x: {"s": jnp.sum(Cube()(x)), "y": Cube()(x) + 1.0},
+                             {"x": np.ones(3)})
+    x = np.array([1.0, 2.0, 3.0])
+    out = problem.run(x=x)
+    x[0] = 10.0  # the caller's array changed afterwards: distop's copy is not
+    assert problem.run()["s"] == 36.0 and out["s"] == 36.0
+    np.testing.assert_array_equal(problem.compute_totals("s", "x")["s", "x"], [[3, 12, 27]])
+    # a scalar output is a 0-d read-only numpy view; so is a vector output
+    for v in (out["s"], out["y"]):
+        assert isinstance(v, np.ndarray) and not v.flags.writeable
+    assert out["s"].shape == () and out["y"].shape == (3,)
+    # a new input goes to the program as it is; one used again, as a JAX array made
+    # once that shares its memory (no copy of a large input, in either form)
+    mine = problem._point["x"]
+    assert mine.ctypes.data % 64 == 0 and problem._on_device(problem._point)["x"] is mine
+    for _ in range(_REUSES):
+        passed = problem._on_device(problem._point)["x"]
+    assert isinstance(passed, jax.Array) and passed.unsafe_buffer_pointer() == mine.ctypes.data
+    assert problem._on_device(problem._point)["x"] is passed
+    assert problem.run()["s"] == 36.0
+    # a JAX array input is read in place too, not copied
+    jx = jnp.array([1.0, 1.0, 2.0])
+    assert problem.run(x=jx)["s"] == 10.0
+    assert problem._point["x"].ctypes.data == jx.unsafe_buffer_pointer()

@@ -71,8 +71,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    arguments (`empty prog`), the lean program with one call (`handler+FFI`: what the
    FFI call and its handler add over those), with 16 independent calls fused into one
    (`per fused`: each extra member), the one-call program followed by a product of
-   6400 flops (`prog 1+dot`), and `Problem.run` (`run extra`: the agreement on the
-   request, result views and the call count, over the program). The row `1 async`
+   6400 flops (`prog 1+dot`), `Problem.run` (`run extra`: the agreement on the
+   request, result views and the call count, over the program), and `run(x=...)`
+   with a new x each call (`new input`: what that adds to `run()`). The row `1 async`
    is one process with `DISTOP_ASYNC_DISPATCH=1`: JAX's async dispatch kept, so XLA
    runs programs above about 1000 flops (`prog 1+dot`, `prog 16 fused`) on a worker
    thread, host calls included.
@@ -502,7 +503,7 @@ def overhead_section(bench):
     one.run(), many.run(), product.run()
     program = {name: next(v for key, v in p._programs.items() if key[0] == "run")
                for name, p in (("one", one), ("many", many), ("product", product))}
-    token, point = one._token, one._on_device(one._point)
+    token, point = one._token, jax.device_put(one._point)  # as on repeated calls
     empty = jax.jit(lambda t, p: (p["x"] * 2.0, t + 1.0))
     comm = _comm.private(None)
     calls = {"method": (lambda: Twice.forward(ops[0], comm, x),),
@@ -513,7 +514,8 @@ def overhead_section(bench):
                  lambda: jax.block_until_ready(program["many"].fn(token, point)),),
              "program 1 call + product": (
                  lambda: jax.block_until_ready(program["product"].fn(token, point)),),
-             "Problem.run": (one.run,)}
+             "Problem.run": (one.run,),
+             "Problem.run(x=)": (lambda: one.run(x=x),)}
     median = {name: t[0] for name, t in bench.interleaved(calls, 20 * bench.args.repeat).items()}
     return {"rows": [{"median": median}],
             "async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch"))}
@@ -732,18 +734,20 @@ def large_tables(results, args):
 
 def overhead_tables(results, args):
     header = ["P", "method", "HostCall", "empty prog", "prog 1", "prog 16 fused",
-              "prog 1+dot", "run()", "distop/call", "handler+FFI", "per fused", "run extra"]
+              "prog 1+dot", "run()", "run(x=)", "distop/call", "handler+FFI", "per fused",
+              "run extra", "new input"]
     rows = []
     for p, r in results.items():
         m = r["rows"][0]["median"]
         rows.append([p, *(fmt(m[n], "us") for n in ("method", "HostCall", "empty program",
                                                       "program 1 call", "program 16 fused",
                                                       "program 1 call + product",
-                                                      "Problem.run")),
+                                                      "Problem.run", "Problem.run(x=)")),
                      fmt(m["HostCall"] - m["method"], "us"),
                      fmt(m["program 1 call"] - m["empty program"] - m["HostCall"], "us"),
                      fmt((m["program 16 fused"] - m["program 1 call"]) / 15, "us"),
-                     fmt(m["Problem.run"] - m["program 1 call"], "us")])
+                     fmt(m["Problem.run"] - m["program 1 call"], "us"),
+                     fmt(m["Problem.run(x=)"] - m["Problem.run"], "us")])
     print_table("distop's own work per call (us, medians): an operator on 8 doubles, no "
                 "communication; '1 async': one process with JAX's async dispatch kept",
                 header, rows)

@@ -836,10 +836,12 @@ def _as_input(where, value):
 def _aligned_copy(array, align=64):
     """distop's own C-contiguous copy of an input (so that changing the caller's array
     later changes nothing here), at an address XLA can read in place: `_device` then
-    hands it to the programs without a second copy."""
+    hands it to the programs without a second copy. In the machine's byte order (JAX
+    takes no other)."""
     raw = np.empty(array.nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
-    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    dtype = array.dtype.newbyteorder("=")
+    out = raw[start:start + array.nbytes].view(dtype).reshape(array.shape)
     out[...] = array
     return out
 

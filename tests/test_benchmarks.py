@@ -19,7 +19,8 @@ def test_suite_runs_and_writes_its_tables_and_json(tmp_path):
          "--json", str(out)],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "distop's own work per call" in proc.stdout, proc.stdout
+    assert "distop's own work per call" in proc.stdout and "new input" in proc.stdout, \
+        proc.stdout
     assert "large sparse matvec" in proc.stdout, proc.stdout
     results = json.loads(out.read_text())
     assert not results["failures"]

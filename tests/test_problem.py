@@ -875,3 +875,11 @@ def test_inputs_are_private_copies_that_the_programs_read_in_place():
     jx = jnp.array([1.0, 1.0, 2.0])
     assert problem.run(x=jx)["s"] == 10.0
     assert problem._point["x"].ctypes.data == jx.unsafe_buffer_pointer()
+
+
+def test_inputs_in_the_other_byte_order_are_taken_in_the_machine_s():
+    other = ">f8" if np.little_endian else "<f8"
+    x = np.array([1.0, 2.0, 3.0], dtype=other)
+    problem = distop.Problem(lambda x: {"s": jnp.sum(Cube()(x))}, {"x": x})
+    assert problem.run()["s"] == 36.0 and problem.run(x=x[::-1])["s"] == 36.0
+    np.testing.assert_array_equal(problem.compute_totals()["s", "x"], [[27, 12, 3]])

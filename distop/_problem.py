@@ -565,7 +565,8 @@ class Problem:
             # perturbations one after another instead, in a loop.
             if not self._warned_loop:
                 self._warned_loop = True
-                warnings.warn(f"{name}: the model has an operator inside lax.cond (or "
+                entry = "run_and_compute_totals" if options[3:] == (True,) else name
+                warnings.warn(f"{entry}: the model has an operator inside lax.cond (or "
                               "another construct jax cannot vmap with ordered "
                               "callbacks), so seeds and finite-difference perturbations "
                               "run in a loop, one per iteration, instead of one batch.",

@@ -77,9 +77,9 @@ def main(argv=None):
     checks = problem.check_totals(out_stream=sys.stdout if comm.rank == 0 else None)
     ok = all(c.ok for c in checks.values())
 
-    def loss_and_grad(x):
-        loss = problem.run(x=x)["loss"]
-        return float(loss), problem.compute_totals("loss", "x")["loss", "x"][0]
+    def loss_and_grad(x):  # the value and the gradient from one program
+        values, totals = problem.run_and_compute_totals("loss", "x", inputs={"x": x})
+        return float(values["loss"]), totals["loss", "x"][0]
 
     solution = scipy.optimize.minimize(loss_and_grad, np.zeros(args.unknowns), jac=True,
                                        method="L-BFGS-B",

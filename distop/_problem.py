@@ -789,6 +789,10 @@ class Problem:
             if n not in differentiable:
                 raise ValueError(f"{method}({arg}={names!r}): {kind} {n!r} is not "
                                  "floating point, so it has no derivative.")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{method}({arg}={names!r}): {kind}s {twice} are named more "
+                             f"than once; name each {kind} once.")
         return tuple(names)
 
 
@@ -818,13 +822,13 @@ def _as_input(where, value):
     if isinstance(value, jax.Array) and value.is_fully_addressable:
         # immutable already: a read-only view of its memory, no copy (see `_device`)
         host = np.asarray(value)
-        if host.flags.c_contiguous and host.dtype.kind in "biufc":
+        if host.flags.c_contiguous and _numeric(host.dtype):
             return host
     try:
         array = np.asarray(value)
     except Exception as err:
         raise TypeError(f"{where}: could not make an array of a {type(value).__name__}.") from err
-    if array.dtype == object or array.dtype.kind not in "biufc":
+    if not _numeric(array.dtype):
         raise TypeError(f"{where}: got a {type(value).__name__} ({array.dtype}); expected a "
                         "numeric array or number.")
     if array.dtype.itemsize == 8 and array.dtype.kind in "fic" and not x64_enabled():
@@ -832,6 +836,13 @@ def _as_input(where, value):
                         "silently round it. Call jax.config.update('jax_enable_x64', True) "
                         "first, or pass float32.")
     return _aligned_copy(array)
+
+
+def _numeric(dtype):
+    """Whether JAX takes arrays of `dtype` as numbers (bfloat16 and the other ml_dtypes
+    floats included: numpy gives them kind 'V')."""
+    return dtype.kind in "biufc" or (dtype.kind == "V" and not dtype.fields
+                                     and jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _aligned_copy(array, align=64):
@@ -870,11 +881,10 @@ _REUSES = 8  # (see `Problem._on_device`)
 
 def _device(array):
     """A JAX array of `array`, sharing its memory where XLA can (aligned, see
-    `_aligned_copy`), else a copy."""
-    try:
-        return jax.dlpack.from_dlpack(array)
-    except Exception:  # noqa: BLE001 - a dtype DLPack does not carry: copy instead
-        return jax.device_put(array)
+    `_aligned_copy`), else a copy. Uncommitted to a device, as a numpy argument is:
+    JAX compiles a program once per mix of committed and uncommitted arguments (one
+    from DLPack is committed)."""
+    return jax.device_put(array)
 
 
 def _group(name, dtype):

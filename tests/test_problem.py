@@ -136,6 +136,14 @@ def test_bad_names_and_inputs():
         problem.run(x="abc")
     with pytest.raises(TypeError, match="expected a dict of output name"):
         distop.Problem(lambda x: x, {"x": np.ones(2)})
+    with pytest.raises(ValueError, match=r"of=\['f', 'f'\]\): outputs \['f'\] are named more "
+                                         "than once; name each output once"):
+        problem.compute_totals(of=["f", "f"])
+    with pytest.raises(ValueError, match=r"wrt=\['x', 'x'\]\): inputs \['x'\] are named"):
+        problem.run_and_compute_totals(wrt=["x", "x"])
+    for bad in (np.array(["a"]), np.zeros(2, [("a", "f8")])):
+        with pytest.raises(TypeError, match="expected a numeric array or number"):
+            problem.run(x=bad)
 
 
 def test_user_error_in_problem_is_raised_as_itself():
@@ -875,6 +883,42 @@ def test_inputs_are_private_copies_that_the_programs_read_in_place():
     jx = jnp.array([1.0, 1.0, 2.0])
     assert problem.run(x=jx)["s"] == 10.0
     assert problem._point["x"].ctypes.data == jx.unsafe_buffer_pointer()
+
+
+def test_a_program_is_compiled_once_whatever_form_its_inputs_take():
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    problem = distop.Problem(lambda x, y: {"s": jnp.sum(Cube()(x)) * y,
+                                           "v": Cube()(x) + y}, {"x": np.ones(3), "y": 2.0})
+    problem.run()
+    problem.compute_totals()
+    inputs = (None, np.zeros(3), jnp.ones(3))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        # numpy arrays first, JAX arrays once used again and again, a new x, a JAX array
+        for x in inputs:
+            for _ in range(12):
+                problem.run(**({} if x is None else {"x": x}))
+                problem.compute_totals()
+                x = None
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_inputs_of_ml_dtypes_floats(dtype):
+    for x in (np.arange(3).astype(dtype), jnp.arange(3, dtype=dtype)):
+        problem = distop.Problem(lambda x: {"s": jnp.sum(x.astype(jnp.float32) * 2),
+                                            "y": x * 2}, {"x": x})
+        out = problem.run()
+        assert out["s"] == 6.0 and out["y"].dtype == dtype
+        J = problem.compute_totals("s", "x")["s", "x"]
+        assert J.dtype == dtype and J.tolist() == [[2, 2, 2]]
 
 
 def test_inputs_in_the_other_byte_order_are_taken_in_the_machine_s():

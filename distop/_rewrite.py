@@ -20,10 +20,12 @@ token still runs through every call in order; the other branch would return a Na
 token, which the count of calls checked after every run would catch.
 """
 
+import functools
 import heapq
 import itertools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -371,29 +373,37 @@ def _unused(jaxpr, allowed):
 
 
 # -- products with unit seeds ----------------------------------------------------------
-def drop_identity_products(closed_jaxpr, identities):
+def drop_identity_products(closed_jaxpr, identities, permutations=None):
     """The program with every product of an identity matrix and another array replaced
-    by that array (transposed where the product's dimension order asks for it).
+    by that array (transposed where the product's dimension order asks for it), and
+    every product of a permutation matrix known ahead and another array by that array's
+    entries in the permuted order.
 
     A reverse sweep over K unit seeds starts with products like `seeds @ W`: with
     `seeds` the identity that is W itself, but XLA computes it (for a (16, 1e6) W,
-    about 150 ms and a fresh 128 MiB buffer). The result is the exact product (where W
-    holds infinities or NaNs, it is the derivative where the product would spread NaN).
+    about 150 ms and a fresh 128 MiB buffer). With the seeds in another order (the
+    matvec's objectives `f0`, `f1`, ..., `f10` are seeded in the order of their names),
+    it is W's rows in that order. The result is the exact product (where W holds
+    infinities or NaNs, it is the derivative where the product would spread NaN; a
+    negative zero of W stays one).
 
     **Arguments:**
     - `closed_jaxpr`: the traced program.
-    - `identities`: its input variables that hold identity matrices.
+    - `identities`: its variables (inputs or constants) that hold identity matrices.
+    - `permutations`: its constants that hold permutation matrices: variable -> value.
 
     **Returns:** the rewritten `ClosedJaxpr`, or None if it has no such product.
     """
-    if not identities:
+    permutations = permutations or {}
+    if not identities and not permutations:
         return None
     jaxpr, rename, eqns, dropped = closed_jaxpr.jaxpr, {}, [], False
+    constvars, consts = list(jaxpr.constvars), list(closed_jaxpr.consts)
     for eqn in jaxpr.eqns:
         if rename:
             eqn = eqn.replace(invars=[rename.get(v, v) if isinstance(v, Var) else v
                                       for v in eqn.invars])
-        found = _identity_product(eqn, identities)
+        found = _identity_product(eqn, identities, permutations)
         if found is None:
             eqns.append(eqn)
             continue
@@ -401,22 +411,33 @@ def drop_identity_products(closed_jaxpr, identities):
         dropped = True
         if permutation is None:
             rename[eqn.outvars[0]] = other
-        else:
+        elif isinstance(permutation, tuple):
             eqns.append(new_jaxpr_eqn([other], eqn.outvars, lax.transpose_p,
                                       {"permutation": permutation}, set(), eqn.source_info,
                                       eqn.ctx))
+        else:  # a function of `other`: its equations, inlined
+            inner = jax.make_jaxpr(permutation)(
+                jax.ShapeDtypeStruct(other.aval.shape, other.aval.dtype))
+            constvars += inner.jaxpr.constvars
+            consts += inner.consts
+            inside = {inner.jaxpr.invars[0]: other}
+            for e in inner.jaxpr.eqns:
+                eqns.append(e.replace(invars=[inside.get(v, v) if isinstance(v, Var) else v
+                                              for v in e.invars]))
+            rename[eqn.outvars[0]] = inside.get(inner.jaxpr.outvars[0],
+                                                inner.jaxpr.outvars[0])
     if not dropped:
         return None
     outvars = [rename.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
-    new = Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
-                jaxpr.debug_info)
-    return ClosedJaxpr(new, closed_jaxpr.consts)
+    new = Jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info)
+    return ClosedJaxpr(new, consts)
 
 
-def _identity_product(eqn, identities):
-    """**Returns:** (the other factor, the permutation of its axes that gives the
-    product, None for none) if `eqn` multiplies an identity matrix with another array
-    (a `dot_general` contracting one axis, no batch axes, same dtype); else None."""
+def _identity_product(eqn, identities, permutations):
+    """**Returns:** (the other factor, how the product follows from it) if `eqn`
+    multiplies an identity or permutation matrix with another array (a `dot_general`
+    contracting one axis, no batch axes, same dtype); else None. How: None (the other
+    factor itself), the permutation of its axes (a tuple), or a function of it."""
     if eqn.primitive is not lax.dot_general_p:
         return None
     (contract_l, contract_r), batch = eqn.params["dimension_numbers"]
@@ -424,17 +445,38 @@ def _identity_product(eqn, identities):
         return None
     out = eqn.outvars[0].aval
     lhs, rhs = eqn.invars
-    for unit, other, axis, first in ((lhs, rhs, contract_r[0], True),
-                                     (rhs, lhs, contract_l[0], False)):
-        if (isinstance(unit, Var) and unit in identities and isinstance(other, Var)
-                and other not in identities
+    for unit, other, axis, first, own in ((lhs, rhs, contract_r[0], True, contract_l[0]),
+                                          (rhs, lhs, contract_l[0], False, contract_r[0])):
+        if not (isinstance(unit, Var) and isinstance(other, Var)
+                and other not in identities and other not in permutations
                 and other.aval.dtype == out.dtype):
-            rest = [a for a in range(other.aval.ndim) if a != axis]
-            permutation = [axis] + rest if first else rest + [axis]
+            continue
+        rest = [a for a in range(other.aval.ndim) if a != axis]
+        permutation = [axis] + rest if first else rest + [axis]
+        if unit in identities:
             if permutation == sorted(permutation):
                 return other, None
             return other, tuple(permutation)
+        if unit in permutations:
+            # the product's free axis of the matrix, entry i: the other factor's entry
+            # order[i] along the contracted axis (first or last, as dot_general puts it)
+            order = np.argmax(permutations[unit], axis=own)
+            return other, functools.partial(_permuted, order=order, axis=axis,
+                                            to=0 if first else -1)
     return None
+
+
+def _permuted(x, order, axis, to):
+    return jnp.moveaxis(jnp.take(x, order, axis=axis, mode="clip"), axis, to)
+
+
+def _permutation(value):
+    """Whether `value` is a permutation matrix (0 and 1 only, one 1 in every row and
+    every column), other than the identity."""
+    return (value.ndim == 2 and value.shape[0] == value.shape[1] and value.size > 0
+            and np.isin(value, (0, 1)).all() and (value.sum(axis=0) == 1).all()
+            and (value.sum(axis=1) == 1).all()
+            and not np.array_equal(value, np.eye(len(value), dtype=value.dtype)))
 
 
 # -- values known before the program runs ----------------------------------------------
@@ -505,11 +547,12 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET,
     closed = ClosedJaxpr(Jaxpr([*jaxpr.constvars, *results], jaxpr.invars, jaxpr.outvars,
                                kept, jaxpr.effects, jaxpr.debug_info),
                          [*closed_jaxpr.consts, *values])
-    # a value folded into an identity matrix again: its products go as well
+    # a value folded into an identity or a permutation matrix: its products go as well
     closed = drop_identity_products(closed, {
         v for v, value in zip(results, values) if value.ndim == 2
         and value.shape[0] == value.shape[1]
-        and np.array_equal(value, np.eye(len(value), dtype=value.dtype))}) or closed
+        and np.array_equal(value, np.eye(len(value), dtype=value.dtype))}, {
+        v: value for v, value in zip(results, values) if _permutation(value)}) or closed
     return _fenced(closed, results)
 
 

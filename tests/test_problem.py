@@ -588,6 +588,61 @@ def test_products_with_seeds_in_another_order_are_computed_ahead():
                                    w[i] @ a_global, rtol=1e-12)
 
 
+@pytest.mark.parametrize("product", [
+    lambda p, w: p @ w,  # the seeds in another order, then a product with an input
+    lambda p, w: w.T @ p.T,  # the same, the other way round
+    lambda p, w: jnp.einsum("ij,ajb->aib", p, w[None].repeat(2, 0)),  # an inner axis
+    lambda p, w: jnp.einsum("aj,ij->ai", w.T, p),  # the matrix's own axis 1, on the right
+])
+def test_products_with_seeds_in_another_order_and_an_input_take_its_entries(product):
+    from jax.extend.core import jaxpr_as_fun
+
+    from distop import _rewrite
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 4))
+    w[0, 1], w[2, 3] = -0.0, 0.0
+    closed = jax.make_jaxpr(lambda s, w: product(_rows(s, [2, 0, 1]), w))(np.eye(3), w)
+    assert "dot_general" in [e.primitive.name for e in closed.jaxpr.eqns]
+    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]})
+    assert "dot_general" not in [e.primitive.name for e in folded.jaxpr.eqns]
+    # the entries themselves, the same as XLA's product bit for bit where no result is
+    # a zero (XLA's sum of a negative zero and zeros is +0)
+    got = jax.jit(jaxpr_as_fun(folded))(np.eye(3), w)[0]
+    want = jax.jit(jaxpr_as_fun(closed))(np.eye(3), w)[0]
+    nonzero = np.asarray(want) != 0
+    np.testing.assert_array_equal(np.asarray(got)[nonzero], np.asarray(want)[nonzero])
+    np.testing.assert_array_equal(got, want)  # (signs of zeros aside: -0.0 == 0.0)
+    # a matrix that only looks like one (a 2, or two 1s in a column) stays a product
+    for other in ([[0, 2, 0], [1, 0, 0], [0, 0, 1]], [[0, 1, 0], [0, 1, 0], [1, 0, 0]]):
+        c = jax.make_jaxpr(lambda s, w: product(s[::-1] * 0 + jnp.asarray(other, float), w))(
+            np.eye(3), w)
+        f = _rewrite.fold_known(c, {c.jaxpr.invars[0]})
+        assert "dot_general" in [e.primitive.name for e in (f or c).jaxpr.eqns]
+
+
+def test_the_matvec_with_an_input_w_multiplies_no_seeds_by_it():
+    # f0 ... f11 are seeded in the order of their names: the cotangent of w @ y is W's
+    # rows in that order, taken from W, not a (12, 12) by (12, 40) product per call
+    a_local, a_global, x0, w = dm.setup(40, 12)
+    op = dm.DistributedMatvec(a_local)
+
+    def model(x, w):
+        f = w @ op(x)
+        return {f"f{i}": f[i] for i in range(12)}
+
+    problem = distop.Problem(model, {"x": x0, "w": w})
+    J = problem.compute_totals(wrt="x")
+    jaxpr, _ = totals_jaxpr(problem)
+    # (left: the forward value w @ y and the outer product of w's cotangent, both
+    # unused here: XLA drops them)
+    assert all(e.outvars[0].aval.shape in {(12,), (12, 12, 40)} for e in jaxpr.eqns
+               if e.primitive.name == "dot_general"), jaxpr
+    for i in range(12):
+        np.testing.assert_allclose(J[f"f{i}", "x"][0], w[i] @ a_global, rtol=1e-12)
+    assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
 def test_a_large_output_makes_no_identity_of_its_size():
     # compute_totals' seeds for 1e5 outputs would be a 75 GiB identity: nothing makes it
     # until compute_totals is called (and then only a rank's rows)

@@ -158,6 +158,10 @@ class Problem:
             if self._point[name].ndim == 0:
                 raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is 0-d; "
                                  "a distributed value needs an axis 0 to split.")
+        # Which Problem on this communicator (they are made in the same order on every
+        # rank, each construction agreeing across ranks): part of every request, so that
+        # ranks calling two different Problems raise instead of running both.
+        self._serial = next(_serials.setdefault(self.comm.py2f(), itertools.count()))
         self._layouts = {}
         self._fixed = {}
         self._programs = {}
@@ -468,8 +472,9 @@ class Problem:
             if fixed is None:  # what must agree, and its hash: once per shapes and request
                 shapes = tuple((k, s[1:] if k in self.distributed else s, d)
                                for k, s, d in local)
-                fixed = self._fixed[local, request] = ((request, shapes),
-                                                       _stable_hash((request, shapes)))
+                fixed = self._fixed[local, request] = (
+                    (f"Problem #{self._serial}: {request}", shapes),
+                    _stable_hash((self._serial, request, shapes)))
             mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
                             dtype=np.int64)
             every = np.empty((self.comm.Get_size(), mine.size), np.int64)
@@ -478,9 +483,10 @@ class Problem:
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
                 raise DistopError(
-                    "the ranks called different entry points, with different arguments, or "
-                    "passed inputs of different shapes or dtypes, so they would run "
-                    "different programs:\n"
+                    "the ranks called different entry points, of different Problems (#: "
+                    "the order of their making on this communicator), with different "
+                    "arguments, or passed inputs of different shapes or dtypes, so they "
+                    "would run different programs:\n"
                     + "\n".join(f"  rank {r}: {c} {s}" for r, (c, s) in enumerate(shapes))
                     + "\nCall the same methods with the same arguments and shapes on every "
                     "rank; only inputs named in Problem(distributed=...) may differ, and "
@@ -877,6 +883,7 @@ def _seed_groups(layout):
 
 
 _REUSES = 8  # (see `Problem._on_device`)
+_serials = {}  # private communicator's handle -> count of the Problems made on it
 
 
 def _device(array):

@@ -567,6 +567,26 @@ def calls_that_ran_before_still_agree_before_communicating():
 
 
 @case("core")
+def two_problems_called_on_different_ranks_raise_everywhere():
+    # the same operator class, collectives and shapes: only which Problem tells them apart
+    for backend in ("lean", "io_callback"):
+        p = distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(x) ** 2)},
+                           {"x": np.ones(3)}, backend=backend)
+        q = distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(10.0 * x))},
+                           {"x": np.ones(3)}, backend=backend)
+        for call in (lambda pr: pr.run(), lambda pr: pr.compute_totals()):
+            try:
+                call(q if rank == 1 else p)
+            except distop.DistopError as err:
+                assert "different entry points, of different Problems" in str(err), err
+                assert "Problem #" in str(err), err
+            else:
+                raise AssertionError("no error")
+        size = comm.Get_size()
+        assert p.run()["f"] == 3 * size ** 2 and q.run()["f"] == 30 * size  # in step
+
+
+@case("core")
 def block_sizes_changing_on_some_ranks_are_agreed_again():
     op = distop.AllreduceSum()
     problem = distop.Problem(lambda b: {"s": op(jnp.sum(b * b))}, {"b": np.ones(2)},

@@ -17,6 +17,7 @@ from ._errors import LauncherMismatchError as LauncherMismatchError
 from ._errors import MPIUnavailableError as MPIUnavailableError
 from ._errors import OperatorError as OperatorError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
+from ._errors import SecondDerivativeError as SecondDerivativeError
 from ._operator import DistributedOperator as DistributedOperator
 from ._problem import Problem as Problem
 from ._safety import configure as configure

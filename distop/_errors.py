@@ -17,6 +17,12 @@ class MissingMethodError(OperatorError, NotImplementedError):
     """An operator lacks a method the requested computation needs (e.g. `vjp`)."""
 
 
+class SecondDerivativeError(DistopError, NotImplementedError):
+    """A derivative of an operator's derivative was asked for (`jax.grad` of a model
+    that itself takes a gradient through an operator, a Hessian): distop's operators
+    have first derivatives only."""
+
+
 class ScheduleMismatchError(DistopError, RuntimeError):
     """Ranks compiled different collective schedules for the same entry point.
 

@@ -25,7 +25,7 @@ from . import _comm, _ffi
 from ._callback import HostCall, _inexact
 from ._compat import (ORDERED_IO_EFFECT, ShapedArray, fallback_linearize_rule, no_effects,
                       primitive_linearizations)
-from ._errors import MissingMethodError
+from ._errors import MissingMethodError, SecondDerivativeError
 
 
 class DistributedOperator(eqx.Module):
@@ -272,11 +272,11 @@ def _jvp(primals, tangents, *, call):
         token, primals, tangents = primals[0], primals[1:], tangents[1:]
     if call.phase != "forward":  # linear in its (co)tangents; constant in the inputs
         if call.lean:
-            raise NotImplementedError(f"{call.where}: derivatives of a derivative are not "
-                                      "available on the lean path.")
+            raise SecondDerivativeError(f"{call.where}: derivatives of a derivative are "
+                                        "not available on the lean path.")
         if any(type(t) is not ad.Zero for t in tangents[call.n_linear:]):
-            raise NotImplementedError(f"{call.where}: derivatives of a derivative with "
-                                      "respect to the inputs are not available.")
+            raise SecondDerivativeError(f"{call.where}: derivatives of a derivative "
+                                        "with respect to the inputs are not available.")
         linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
         outs = host_call_p.bind(*primals, call=call)
         return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
@@ -327,8 +327,8 @@ def _transpose(cts, *args, call):
         args, cts = args[1:], cts[1:]
     inputs = args[call.n_linear:]
     if any(ad.is_undefined_primal(x) for x in inputs):
-        raise NotImplementedError(f"{call.where}: derivatives of a derivative with "
-                                  "respect to the inputs are not available.")
+        raise SecondDerivativeError(f"{call.where}: derivatives of a derivative with "
+                                    "respect to the inputs are not available.")
     other = "vjp" if call.phase == "jvp" else "jvp"
     if getattr(type(call.op), other) is getattr(DistributedOperator, other):
         raise MissingMethodError(_missing(call.op, other))

@@ -20,7 +20,7 @@ from jax.extend.core import jaxpr_as_fun
 from . import _comm, _ffi, _rewrite, _safety, _schedule, _totals
 from ._callback import inexact_dtype, take_error
 from ._compat import JaxRuntimeError, x64_enabled
-from ._errors import DistopError, MissingMethodError
+from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 
 MODES = ("batched", "loop", "unrolled")
 BACKENDS = ("lean", "io_callback")
@@ -179,12 +179,18 @@ class Problem:
             raise ValueError(f"Problem(distributed={sorted(self.distributed)}): no input or "
                              f"output named {sorted(unknown)}; inputs are "
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
-        try:
-            self._schedule = self._program(
-                "compute_totals", ("batched", layout.differentiable["outputs"],
-                                   layout.differentiable["inputs"]),
-                layout).schedule
-        except MissingMethodError:  # an operator without vjp: the model can still run
+        self._schedule = None
+        if layout.differentiable["outputs"] and layout.differentiable["inputs"]:
+            try:
+                self._schedule = self._program(
+                    "compute_totals", ("batched", layout.differentiable["outputs"],
+                                       layout.differentiable["inputs"]),
+                    layout).schedule
+            # the model can still run: an operator without vjp, a model that itself
+            # differentiates an operator (compute_totals raises the error when called)
+            except (MissingMethodError, SecondDerivativeError):
+                pass
+        if self._schedule is None:  # (or nothing to differentiate)
             self._schedule = self._program("run", (), layout).schedule
 
     # -- public entry points --------------------------------------------------------
@@ -259,10 +265,7 @@ class Problem:
         totals to round-off (XLA compiles the reverse sweep beside the values, and may
         order its arithmetic otherwise). The evaluated point becomes the current point.
         """
-        if inputs is not None and not isinstance(inputs, dict):
-            raise TypeError("run_and_compute_totals(inputs=...): expected a dict of name -> "
-                            f"array; got a {type(inputs).__name__}.")
-        point = self._moved("run_and_compute_totals", inputs or {})
+        point = self._moved("run_and_compute_totals", {} if inputs is None else inputs)
         layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
                                                mode, return_format)
         if of and wrt:
@@ -305,14 +308,35 @@ class Problem:
                                     show_only_incorrect=show_only_incorrect)
 
     def _moved(self, method, inputs):
-        """**Returns:** the current point with `inputs` (name -> array) in it."""
-        point = dict(self._point)
-        for name, value in inputs.items():
-            if name not in point:
-                raise ValueError(f"{method}({name}=...): no input named '{name}'; inputs "
-                                 f"are {list(self.input_names)}.")
-            point[name] = _as_input(f"{method}({name}=...)", value)
+        """**Returns:** the current point with `inputs` (name -> array) in it. Bad
+        inputs raise on every rank (see `_refuse`)."""
+        try:
+            if not isinstance(inputs, dict):
+                raise TypeError(f"{method}(inputs=...): expected a dict of name -> array; "
+                                f"got a {type(inputs).__name__}.")
+            point = dict(self._point)
+            for name, value in inputs.items():
+                if name not in point:
+                    raise ValueError(f"{method}({name}=...): no input named '{name}'; "
+                                     f"inputs are {list(self.input_names)}.")
+                point[name] = _as_input(f"{method}({name}=...)", value)
+        except (TypeError, ValueError) as err:
+            self._refuse(err)
         return point
+
+    def _refuse(self, err):
+        """Raise `err`, the error of an argument this rank refused before the ranks
+        agreed on the request, here, and a `DistopError` naming it on the other ranks:
+        this rank takes its place in their agreement (`_layout`) with a mark instead of
+        a request, so that no rank waits for it or runs ahead of it."""
+        size = self.comm.Get_size()
+        if size > 1:
+            mine = np.full(1 + sum(k in self.distributed for k in self._point), -1, np.int64)
+            every = np.empty((size, mine.size), np.int64)
+            with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
+                self.comm.Allgather(mine, every)
+                self.comm.allgather((_REFUSED, f"{type(err).__name__}: {err}"))
+        raise err
 
     def _totals_request(self, method, point, of, wrt, mode, return_format):
         """Agree on a request for totals at `point` and check its arguments.
@@ -482,6 +506,11 @@ class Problem:
                 self.comm.Allgather(mine, every)
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
+                refused = [f"  rank {r}: {s}" for r, (c, s) in enumerate(shapes)
+                           if c == _REFUSED]
+                if refused:
+                    raise DistopError("other ranks refused their arguments to the same call, "
+                                      "so no rank runs it:\n" + "\n".join(refused))
                 raise DistopError(
                     "the ranks called different entry points, of different Problems (#: "
                     "the order of their making on this communicator), with different "
@@ -884,6 +913,7 @@ def _seed_groups(layout):
 
 _REUSES = 8  # (see `Problem._on_device`)
 _serials = {}  # private communicator's handle -> count of the Problems made on it
+_REFUSED = "refused"  # (see `Problem._refuse`)
 
 
 def _device(array):

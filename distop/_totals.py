@@ -129,20 +129,24 @@ def check_replicated(problem, values, where):
 def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream,
                  raise_on_error, show_only_incorrect):
     """See `Problem.check_totals`."""
+    comm, rank = problem.comm, problem.comm.Get_rank()
+    point = problem._point
+    # the arguments are checked once the ranks agree on them: an error on every rank
+    layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), repr(method),
+                                     repr(form), repr(step)))
     if method != "fd":
         raise ValueError(f"check_totals(method={method!r}): only 'fd' is available.")
     if form not in FORMS:
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
-    comm, rank = problem.comm, problem.comm.Get_rank()
-    point = problem._point
-    layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), method, form,
-                                     step))
     of = problem._names("check_totals", "of", of, problem.output_names,
                         layout.differentiable["outputs"])
     wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,
                          layout.differentiable["inputs"])
     say = (lambda text: print(text, file=out_stream, flush=True)) if (
         out_stream is not None and rank == 0) else (lambda text: None)
+    if not of or not wrt:
+        say("check_totals: nothing to check (no floating-point outputs or inputs)")
+        return {}
     check_replicated(problem, {**point, **problem.run()}, "check_totals")
     started = time.perf_counter()
     J = problem.compute_totals(of, wrt)

@@ -587,6 +587,38 @@ def two_problems_called_on_different_ranks_raise_everywhere():
 
 
 @case("core")
+def arguments_refused_on_one_rank_raise_on_every_rank():
+    problem = distop.Problem(
+        lambda x: {"f": jnp.sum(distop.AllreduceSum()(distop.RankLocal()(x)) ** 2)},
+        {"x": np.ones(3)})
+    bad = [lambda: problem.run(x="abc"), lambda: problem.run(z=1.0),
+           lambda: problem.run_and_compute_totals(inputs=[1.0])]
+    for i, call in enumerate(bad):
+        who = i % comm.Get_size()  # this rank's arguments are bad, the others' fine
+        try:
+            call() if rank == who else problem.run_and_compute_totals(inputs={"x": np.ones(3)})
+        except distop.DistopError as err:
+            assert rank != who and "refused their arguments" in str(err), err
+            assert f"rank {who}: " in str(err), err
+        except (TypeError, ValueError) as err:
+            assert rank == who and not isinstance(err, distop.DistopError), err
+        else:
+            raise AssertionError("no error")
+        # every rank is in step again
+        assert problem.run(x=np.full(3, 2.0))["f"] == 12.0 * comm.Get_size() ** 2
+    for form in ("sideways", "central" if rank else "sideways"):  # all, or rank 0 only
+        try:
+            problem.check_totals(form=form, out_stream=None)
+        except ValueError as err:
+            assert form == "sideways" and "check_totals(form='sideways')" in str(err), err
+        except distop.DistopError as err:
+            assert "with different arguments" in str(err), err
+        else:
+            raise AssertionError("no error")
+    assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
+@case("core")
 def block_sizes_changing_on_some_ranks_are_agreed_again():
     op = distop.AllreduceSum()
     problem = distop.Problem(lambda b: {"s": op(jnp.sum(b * b))}, {"b": np.ones(2)},

@@ -982,3 +982,25 @@ def test_inputs_in_the_other_byte_order_are_taken_in_the_machine_s():
     problem = distop.Problem(lambda x: {"s": jnp.sum(Cube()(x))}, {"x": x})
     assert problem.run()["s"] == 36.0 and problem.run(x=x[::-1])["s"] == 36.0
     np.testing.assert_array_equal(problem.compute_totals()["s", "x"], [[27, 12, 3]])
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_a_model_that_differentiates_an_operator_itself_runs(backend):
+    op = Cube()
+    problem = distop.Problem(lambda x: {"g": jax.grad(lambda x: jnp.sum(op(x)))(x)},
+                             {"x": np.array([1.0, 2.0])}, backend=backend)
+    np.testing.assert_array_equal(problem.run()["g"], [3.0, 12.0])
+    assert [e.phase for e in problem.schedule] == ["forward", "vjp"]  # run's schedule
+    with pytest.raises(distop.SecondDerivativeError, match="derivatives of a derivative"):
+        problem.compute_totals()
+
+
+def test_models_with_nothing_to_differentiate():
+    ints_in = distop.Problem(lambda n: {"a": n * 2.0}, {"n": np.array([1, 2])})
+    assert ints_in.run()["a"].tolist() == [2.0, 4.0] and ints_in.compute_totals() == {}
+    assert ints_in.check_totals(out_stream=None) == {}
+    ints_out = distop.Problem(lambda x: {"k": jnp.round(Cube()(x)).astype(int)},
+                              {"x": np.arange(3.0)})
+    assert ints_out.run()["k"].tolist() == [0, 1, 8] and ints_out.compute_totals() == {}
+    assert [e.phase for e in ints_out.schedule] == ["forward"]
+    assert ints_out.run_and_compute_totals()[1] == {}

@@ -239,7 +239,10 @@ class Problem:
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
         identical on every rank for the global format: views of the program's
         result, read-only like `run`'s values where no gathering copied them
-        (`.copy()` one to change it).
+        (`.copy()` one to change it). For a complex output, in JAX's convention: the
+        derivatives of its real part, along a complex input z = x + iy as d/dx - i d/dy
+        (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag`
+        of it as two outputs for both parts.
         """
         layout, of, wrt = self._totals_request("compute_totals", self._point, of, wrt, mode,
                                                return_format)

@@ -187,19 +187,29 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
 
 
 def _finite_differences(problem, layout, of, wrt, form, step, say):
-    """All perturbations of all `wrt` entries as one batched program call."""
+    """All perturbations of all `wrt` entries as one batched program call.
+
+    The derivatives are those `compute_totals` gives, in JAX's convention: of an
+    output's real part (that of a real output itself), along each entry of a real input,
+    and for an entry z = x + iy of a complex input, d/dx - i d/dy of it (for a
+    holomorphic function, its complex derivative): a complex entry is perturbed along
+    both axes."""
     comm, rank = problem.comm, problem.comm.Get_rank()
     signs = FORMS[form]
     sizes = [layout.global_size(w) for w in wrt]
-    offsets = np.cumsum([0] + sizes)
+    axes = [(1, 1j) if np.issubdtype(layout.inputs[w].dtype, np.complexfloating) else (1,)
+            for w in wrt]
+    offsets = np.cumsum([0] + [size * len(a) for size, a in zip(sizes, axes)])
     n = offsets[-1]
     deltas = {}
-    for w, offset in zip(wrt, offsets):
+    for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
         spec = layout.inputs[w]
         delta = np.zeros((len(signs) * n, int(np.prod(spec.shape))), spec.dtype)
         start, stop = layout.local_rows(w, rank)
         for s, sign in enumerate(signs):  # this rank perturbs the entries it owns
-            delta[s * n + offset + np.arange(start, stop), np.arange(stop - start)] = sign * step
+            for a, direction in enumerate(directions):
+                delta[s * n + offset + a * size + np.arange(start, stop),
+                      np.arange(stop - start)] = sign * step * direction
         deltas[w] = delta.reshape((len(signs) * n,) + spec.shape)
     if len(signs) * n > 256:
         say(f"check_totals: evaluating {len(signs) * n} perturbed points in one batched call")
@@ -214,8 +224,12 @@ def _finite_differences(problem, layout, of, wrt, form, step, say):
             d = (v[:n] - v[n:]) / (2 * step)
         else:
             d = signs[0] * (v - base[o].reshape(1, -1)) / step
-        for w, offset, size in zip(wrt, offsets, sizes):
-            block = np.ascontiguousarray(d[offset:offset + size].T)  # local rows of o
+        d = d.real
+        for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
+            block = d[offset:offset + size]
+            if len(directions) == 2:
+                block = block - 1j * d[offset + size:offset + 2 * size]
+            block = np.ascontiguousarray(block.T)  # local rows of o
             if o in layout.counts:
                 block = gather_rows(comm, block, _flat_counts(layout, o))
             J_fd[o, w] = block

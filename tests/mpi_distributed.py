@@ -77,6 +77,53 @@ def builtins_pass_check_totals_with_uneven_and_empty_blocks():
     assert local.shape == (COUNTS[rank], COUNTS[rank])
 
 
+class ComplexScale(distop.DistributedOperator):
+    """y = a * z, elementwise, for this rank's block of complex a."""
+
+    a: np.ndarray
+    batched_vjp = True
+
+    def forward(self, comm, z):
+        return self.a * z
+
+    def vjp(self, comm, y_bar, z):  # JAX's convention: a holomorphic map's cotangent
+        return y_bar * self.a
+
+
+@case
+def complex_values_in_jax_s_convention_with_check_totals_agreeing():
+    rng = np.random.default_rng(3)
+    zg = rng.standard_normal(N) + 1j * rng.standard_normal(N)
+    ag = rng.standard_normal(N) + 1j * rng.standard_normal(N)
+    op = ComplexScale(mine(ag))
+
+    def model(z, x):
+        y = op(z)  # distributed, holomorphic in z
+        return {"y": y, "n": distop.AllreduceSum()(jnp.sum(jnp.abs(y) ** 2)),  # real
+                "c": distop.AllreduceSum()(jnp.sum(jnp.conj(y))),  # antiholomorphic
+                "w": x ** 2 * (1 + 2j)}  # complex of a real input
+
+    x = np.array([0.5, -1.5])
+    problem = distop.Problem(model, {"z": mine(zg), "x": x}, distributed=["z", "y"])
+    check(problem)
+    J = problem.compute_totals()
+    # J is the derivative of the output's real part, in JAX's convention: d/dx - i d/dy
+    # along a complex input z = x + iy (a holomorphic map's complex derivative)
+    all_close_everywhere(comm, J["y", "z"], np.diag(ag))
+    all_close_everywhere(comm, J["n", "z"], [2 * np.abs(ag) ** 2 * np.conj(zg)])
+    all_close_everywhere(comm, J["c", "z"], [ag])  # Re(conj(a z)) = Re(a z)
+    all_close_everywhere(comm, J["w", "x"], np.diag(2 * x))
+    assert J["y", "z"].dtype == np.complex128 and J["w", "x"].dtype == np.float64
+
+    class Conjugated(ComplexScale):  # a vjp with a conjugate too many: check_totals sees it
+        def vjp(self, comm, y_bar, z):
+            return y_bar * np.conj(self.a)
+
+    bad = distop.Problem(lambda z: {"y": Conjugated(mine(ag))(z)}, {"z": mine(zg)},
+                         distributed=["z", "y"])
+    assert not bad.check_totals(out_stream=None)["y", "z"].ok
+
+
 @case
 def alltoall_transpose_and_its_gradient():
     m = 5

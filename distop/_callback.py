@@ -386,8 +386,10 @@ class HostCall:
             if type(r) is not np.ndarray or not r.flags.c_contiguous:
                 if r is None:
                     where, what = self._describe(row)
-                    raise OperatorError(self._say(f"returned None for {what} {k}{where}; "
-                                                  "return zeros for a zero cotangent"))
+                    raise OperatorError(self._say(
+                        f"returned None for {what} {k}{where}; " + (
+                            "return an array" if self.phase == "forward"
+                            else f"return zeros for a zero {what}")))
                 r = np.asarray(r, order="C")
             if r.shape != batch + shape or r.dtype != dtype:
                 where, what = self._describe(row)

@@ -130,7 +130,7 @@ class Bad(distop.DistributedOperator):
     (np.ones(2),
      r"Bad.forward on rank 0: returned output 0 with shape \(2,\) .*expected shape \(3,\)"),
     (np.ones(3, np.float32), r"dtype float32; expected shape \(3,\) and dtype float64"),
-    (None, r"returned None for output 0"),
+    (None, r"returned None for output 0; return an array"),
     ((np.ones(3), np.ones(3)), r"returned a tuple of length 2; expected 1 output"),
 ])
 def test_bad_forward_results_name_operator_phase_and_expectation(result, expected):
@@ -146,6 +146,14 @@ def test_bad_vjp_result_and_missing_methods():
     with pytest.raises(Exception, match=r"BadVjp.vjp on rank 0: returned input cotangent 0 "
                                         r"with shape \(2,\)"):
         jax.grad(lambda x: BadVjp(np.ones(3))(x).sum())(X).block_until_ready()
+
+    class NoneVjp(Bad):
+        def vjp(self, comm, y_bar, x):
+            return None
+
+    with pytest.raises(Exception, match=r"returned None for input cotangent 0; return zeros "
+                                        r"for a zero input cotangent"):
+        jax.grad(lambda x: NoneVjp(np.ones(3))(x).sum())(X).block_until_ready()
 
     class NoVjp(distop.DistributedOperator):
         def forward(self, comm, x):

@@ -338,7 +338,7 @@ class Problem:
             every = np.empty((size, mine.size), np.int64)
             with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
                 self.comm.Allgather(mine, every)
-                self.comm.allgather((_REFUSED, f"{type(err).__name__}: {err}"))
+                self.comm.allgather((_REFUSED, f"{type(err).__name__}: {err}", None))
         raise err
 
     def _totals_request(self, method, point, of, wrt, mode, return_format):
@@ -500,7 +500,7 @@ class Problem:
                 shapes = tuple((k, s[1:] if k in self.distributed else s, d)
                                for k, s, d in local)
                 fixed = self._fixed[local, request] = (
-                    (f"Problem #{self._serial}: {request}", shapes),
+                    (request, shapes, self._serial),
                     _stable_hash((self._serial, request, shapes)))
             mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
                             dtype=np.int64)
@@ -509,7 +509,7 @@ class Problem:
                 self.comm.Allgather(mine, every)
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
-                refused = [f"  rank {r}: {s}" for r, (c, s) in enumerate(shapes)
+                refused = [f"  rank {r}: {s}" for r, (c, s, _) in enumerate(shapes)
                            if c == _REFUSED]
                 if refused:
                     raise DistopError("other ranks refused their arguments to the same call, "
@@ -519,7 +519,8 @@ class Problem:
                     "the order of their making on this communicator), with different "
                     "arguments, or passed inputs of different shapes or dtypes, so they "
                     "would run different programs:\n"
-                    + "\n".join(f"  rank {r}: {c} {s}" for r, (c, s) in enumerate(shapes))
+                    + "\n".join(f"  rank {r}: {c} {s} (Problem #{n})"
+                                for r, (c, s, n) in enumerate(shapes))
                     + "\nCall the same methods with the same arguments and shapes on every "
                     "rank; only inputs named in Problem(distributed=...) may differ, and "
                     "only in axis 0.")

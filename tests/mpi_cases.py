@@ -579,7 +579,8 @@ def two_problems_called_on_different_ranks_raise_everywhere():
                 call(q if rank == 1 else p)
             except distop.DistopError as err:
                 assert "different entry points, of different Problems" in str(err), err
-                assert "Problem #" in str(err), err
+                assert f"(Problem #{p._serial})" in str(err), err
+                assert f"(Problem #{q._serial})" in str(err), err
             else:
                 raise AssertionError("no error")
         size = comm.Get_size()

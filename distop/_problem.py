@@ -142,6 +142,10 @@ class Problem:
                             f"array; got {type(inputs).__name__}.")
         self.model = model
         self.comm = _comm.private(comm)
+        # Which Problem on this communicator (they are made in the same order on every
+        # rank, each construction agreeing across ranks): part of every request, so that
+        # ranks calling two different Problems raise instead of running both.
+        self._serial = next(_serials.setdefault(self.comm.py2f(), itertools.count()))
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
         self.check_replicated = check_replicated
@@ -151,17 +155,17 @@ class Problem:
                              f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
         self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
                      if fuse is None else bool(fuse))
-        self._point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
-                       for name, value in inputs.items()}
+        try:  # (an input refused on some ranks raises on every rank: `_refuse`)
+            self._point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
+                           for name, value in inputs.items()}
+            for name in self.distributed & set(self._point):
+                if self._point[name].ndim == 0:
+                    raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is "
+                                     "0-d; a distributed value needs an axis 0 to split.")
+        except (TypeError, ValueError) as err:
+            self._point = dict.fromkeys(inputs)
+            self._refuse(err)
         self.input_names = tuple(self._point)
-        for name in self.distributed & set(self.input_names):
-            if self._point[name].ndim == 0:
-                raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is 0-d; "
-                                 "a distributed value needs an axis 0 to split.")
-        # Which Problem on this communicator (they are made in the same order on every
-        # rank, each construction agreeing across ranks): part of every request, so that
-        # ranks calling two different Problems raise instead of running both.
-        self._serial = next(_serials.setdefault(self.comm.py2f(), itertools.count()))
         self._layouts = {}
         self._fixed = {}
         self._programs = {}

@@ -607,6 +607,14 @@ def arguments_refused_on_one_rank_raise_on_every_rank():
             raise AssertionError("no error")
         # every rank is in step again
         assert problem.run(x=np.full(3, 2.0))["f"] == 12.0 * comm.Get_size() ** 2
+    try:  # also when the Problem is made
+        distop.Problem(lambda x: {"f": x * 2.0}, {"x": "abc" if rank == 0 else np.ones(2)})
+    except distop.DistopError as err:
+        assert rank != 0 and "rank 0: TypeError: Problem(inputs={'x': ...})" in str(err), err
+    except TypeError as err:
+        assert rank == 0 and "got a str" in str(err), err
+    else:
+        raise AssertionError("no error")
     for form in ("sideways", "central" if rank else "sideways"):  # all, or rank 0 only
         try:
             problem.check_totals(form=form, out_stream=None)

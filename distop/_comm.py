@@ -8,7 +8,7 @@ import threading
 from . import _launch
 from ._errors import LauncherMismatchError, MPIUnavailableError
 
-_private = {}
+_private = {}  # the MPI attribute key of private duplicates (see `private`)
 _lock = threading.Lock()
 _unavailable = None  # why mpi4py.MPI could not load, once tried
 
@@ -141,13 +141,19 @@ def private(comm):
     **Returns:** the private duplicate.
     """
     comm = world() if comm is None else comm
-    key = comm.py2f()
+    if isinstance(comm, SingleProcess):
+        return comm
     with _lock:
-        dup = _private.get(key)
+        # Kept as an MPI attribute of `comm`, not by its handle: MPI reuses the handle of
+        # a freed communicator for a new one, which must get its own duplicate.
+        if "keyval" not in _private:
+            _private["keyval"] = mpi().Comm.Create_keyval()
+        keyval = _private["keyval"]
+        dup = comm.Get_attr(keyval)
         if dup is None:
-            dup = _private[key] = comm.Dup()
-            # A private duplicate of a duplicate is itself.
-            _private[dup.py2f()] = dup
+            dup = comm.Dup()
+            comm.Set_attr(keyval, dup)
+            dup.Set_attr(keyval, dup)  # a private duplicate of a duplicate is itself
             _abort_on_uncaught_exception(dup)
             _wait_for_peers_at_exit(dup)
     return dup

@@ -134,37 +134,22 @@ class Problem:
 
     def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False,
                  backend=None, fuse=None):
-        if not callable(model):
-            raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
-                            "a function called as model(**inputs) returning a dict.")
-        if not isinstance(inputs, dict) or not inputs:
-            raise TypeError("Problem(inputs=...): expected a non-empty dict of name -> "
-                            f"array; got {type(inputs).__name__}.")
-        self.model = model
         self.comm = _comm.private(comm)
         # Which Problem on this communicator (they are made in the same order on every
         # rank, each construction agreeing across ranks): part of every request, so that
         # ranks calling two different Problems raise instead of running both.
         self._serial = next(_serials.setdefault(self.comm.py2f(), itertools.count()))
+        self.model = model
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
         self.check_replicated = check_replicated
-        self.backend = backend or os.environ.get("DISTOP_BACKEND", "lean")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Problem(backend={self.backend!r}): expected one of "
-                             f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
         self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
                      if fuse is None else bool(fuse))
-        try:  # (an input refused on some ranks raises on every rank: `_refuse`)
-            self._point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
-                           for name, value in inputs.items()}
-            for name in self.distributed & set(self._point):
-                if self._point[name].ndim == 0:
-                    raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is "
-                                     "0-d; a distributed value needs an axis 0 to split.")
-        except (TypeError, ValueError) as err:
-            self._point = dict.fromkeys(inputs)
-            self._refuse(err)
+        # arguments refused on some ranks raise on every rank
+        self.backend, self._point = self._agree(
+            "Problem: checking its arguments",
+            lambda: self._arguments(model, inputs, backend or os.environ.get(
+                "DISTOP_BACKEND", "lean")))
         self.input_names = tuple(self._point)
         self._layouts = {}
         self._fixed = {}
@@ -196,6 +181,25 @@ class Problem:
                 pass
         if self._schedule is None:  # (or nothing to differentiate)
             self._schedule = self._program("run", (), layout).schedule
+
+    def _arguments(self, model, inputs, backend):
+        """**Returns:** (the backend, the point) after checking `Problem`'s arguments."""
+        if not callable(model):
+            raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
+                            "a function called as model(**inputs) returning a dict.")
+        if not isinstance(inputs, dict) or not inputs:
+            raise TypeError("Problem(inputs=...): expected a non-empty dict of name -> "
+                            f"array; got {type(inputs).__name__}.")
+        if backend not in BACKENDS:
+            raise ValueError(f"Problem(backend={backend!r}): expected one of "
+                             f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
+        point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
+                 for name, value in inputs.items()}
+        for name in self.distributed & set(point):
+            if point[name].ndim == 0:
+                raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is "
+                                 "0-d; a distributed value needs an axis 0 to split.")
+        return backend, point
 
     # -- public entry points --------------------------------------------------------
     @property
@@ -864,7 +868,10 @@ class _Inputs:
 def _as_input(where, value):
     if isinstance(value, jax.Array) and value.is_fully_addressable:
         # immutable already: a read-only view of its memory, no copy (see `_device`)
-        host = np.asarray(value)
+        try:
+            host = np.asarray(value)
+        except Exception as err:  # a deleted (or donated) array, say
+            raise TypeError(f"{where}: could not read the JAX array: {err}") from err
         if host.flags.c_contiguous and _numeric(host.dtype):
             return host
     try:

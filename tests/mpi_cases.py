@@ -607,14 +607,24 @@ def arguments_refused_on_one_rank_raise_on_every_rank():
             raise AssertionError("no error")
         # every rank is in step again
         assert problem.run(x=np.full(3, 2.0))["f"] == 12.0 * comm.Get_size() ** 2
-    try:  # also when the Problem is made
-        distop.Problem(lambda x: {"f": x * 2.0}, {"x": "abc" if rank == 0 else np.ones(2)})
-    except distop.DistopError as err:
-        assert rank != 0 and "rank 0: TypeError: Problem(inputs={'x': ...})" in str(err), err
-    except TypeError as err:
-        assert rank == 0 and "got a str" in str(err), err
-    else:
-        raise AssertionError("no error")
+    made = [  # also when the Problem is made: rank 0's arguments are bad
+        (dict(inputs={"x": "abc"}), "TypeError: Problem(inputs={'x': ...}): got a str"),
+        (dict(inputs=[np.ones(2)]), "TypeError: Problem(inputs=...): expected a non-empty"),
+        (dict(inputs={"x": np.ones(2)}, backend="leen"), "ValueError: Problem(backend='leen')"),
+    ]
+    for kwargs, text in made:
+        if rank != 0:
+            kwargs = dict(inputs={"x": np.ones(2)})
+        try:
+            distop.Problem(lambda x: {"f": x * 2.0}, **kwargs)
+        except distop.DistopError as err:
+            assert rank != 0 and f"rank 0: {text}" in str(err), err
+        except (TypeError, ValueError) as err:
+            assert rank == 0 and text.split(": ", 1)[1] in str(err), err
+        else:
+            raise AssertionError("no error")
+    # every rank made (and counted) each of them: the next Problem is the same everywhere
+    assert distop.Problem(lambda x: {"f": x * 2.0}, {"x": np.ones(2)}).run()["f"][0] == 2.0
     for form in ("sideways", "central" if rank else "sideways"):  # all, or rank 0 only
         try:
             problem.check_totals(form=form, out_stream=None)
@@ -625,6 +635,21 @@ def arguments_refused_on_one_rank_raise_on_every_rank():
         else:
             raise AssertionError("no error")
     assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
+@case("core")
+def a_communicator_made_after_one_is_freed_gets_its_own_duplicate():
+    # MPI gives the new communicator the freed one's handle: distop must not take it for
+    # the old one (whose private duplicate has another group of ranks)
+    alone = comm.Split(rank, 0)
+    assert distop.Problem(lambda x: {"f": x * 2.0}, {"x": np.ones(2)}, comm=alone).comm.size == 1
+    alone.Free()
+    every = comm.Dup()
+    problem = distop.Problem(lambda x: {"s": distop.AllreduceSum()(jnp.sum(x))},
+                             {"x": np.ones(2)}, comm=every)
+    assert problem.comm.Get_size() == comm.Get_size()
+    assert problem.run()["s"] == 2.0 * comm.Get_size()
+    every.Free()
 
 
 @case("core")

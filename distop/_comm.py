@@ -8,7 +8,7 @@ import threading
 from . import _launch
 from ._errors import LauncherMismatchError, MPIUnavailableError
 
-_private = {}  # the MPI attribute key of private duplicates (see `private`)
+_keyval = None  # the MPI attribute key of private duplicates (see `private`)
 _lock = threading.Lock()
 _unavailable = None  # why mpi4py.MPI could not load, once tried
 
@@ -143,17 +143,17 @@ def private(comm):
     comm = world() if comm is None else comm
     if isinstance(comm, SingleProcess):
         return comm
+    global _keyval
     with _lock:
         # Kept as an MPI attribute of `comm`, not by its handle: MPI reuses the handle of
         # a freed communicator for a new one, which must get its own duplicate.
-        if "keyval" not in _private:
-            _private["keyval"] = mpi().Comm.Create_keyval()
-        keyval = _private["keyval"]
-        dup = comm.Get_attr(keyval)
+        if _keyval is None:
+            _keyval = mpi().Comm.Create_keyval()
+        dup = comm.Get_attr(_keyval)
         if dup is None:
             dup = comm.Dup()
-            comm.Set_attr(keyval, dup)
-            dup.Set_attr(keyval, dup)  # a private duplicate of a duplicate is itself
+            comm.Set_attr(_keyval, dup)
+            dup.Set_attr(_keyval, dup)  # a private duplicate of a duplicate is itself
             _abort_on_uncaught_exception(dup)
             _wait_for_peers_at_exit(dup)
     return dup

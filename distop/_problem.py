@@ -223,8 +223,8 @@ class Problem:
         current point; distop keeps its own copy of numpy inputs (JAX arrays, being
         immutable, are shared).
         """
-        point = self._moved("run", inputs)
-        layout = self._layout(point, ("run",))
+        point, refused = self._moved("run", inputs)
+        layout = self._layout(point, ("run",), refused)
         outs = self._execute(self._program("run", (), layout), point)
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **outs}, "run")
@@ -276,9 +276,10 @@ class Problem:
         totals to round-off (XLA compiles the reverse sweep beside the values, and may
         order its arithmetic otherwise). The evaluated point becomes the current point.
         """
-        point = self._moved("run_and_compute_totals", {} if inputs is None else inputs)
+        point, refused = self._moved("run_and_compute_totals",
+                                     {} if inputs is None else inputs)
         layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
-                                               mode, return_format)
+                                               mode, return_format, refused)
         if of and wrt:
             out = self._execute(self._program("compute_totals", (mode, of, wrt, True),
                                               layout), point)
@@ -319,8 +320,9 @@ class Problem:
                                     show_only_incorrect=show_only_incorrect)
 
     def _moved(self, method, inputs):
-        """**Returns:** the current point with `inputs` (name -> array) in it. Bad
-        inputs raise on every rank (see `_refuse`)."""
+        """**Returns:** (the current point with `inputs` (name -> array) in it, None), or
+        (the current point, the error) if this rank refuses them: `_layout` raises it on
+        every rank."""
         try:
             if not isinstance(inputs, dict):
                 raise TypeError(f"{method}(inputs=...): expected a dict of name -> array; "
@@ -332,28 +334,15 @@ class Problem:
                                      f"inputs are {list(self.input_names)}.")
                 point[name] = _as_input(f"{method}({name}=...)", value)
         except (TypeError, ValueError) as err:
-            self._refuse(err)
-        return point
+            return self._point, err
+        return point, None
 
-    def _refuse(self, err):
-        """Raise `err`, the error of an argument this rank refused before the ranks
-        agreed on the request, here, and a `DistopError` naming it on the other ranks:
-        this rank takes its place in their agreement (`_layout`) with a mark instead of
-        a request, so that no rank waits for it or runs ahead of it."""
-        size = self.comm.Get_size()
-        if size > 1:
-            mine = np.full(1 + sum(k in self.distributed for k in self._point), -1, np.int64)
-            every = np.empty((size, mine.size), np.int64)
-            with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
-                self.comm.Allgather(mine, every)
-                self.comm.allgather((_REFUSED, f"{type(err).__name__}: {err}", None))
-        raise err
-
-    def _totals_request(self, method, point, of, wrt, mode, return_format):
+    def _totals_request(self, method, point, of, wrt, mode, return_format, refused=None):
         """Agree on a request for totals at `point` and check its arguments.
 
         **Returns:** (the `Layout`, the `of` names, the `wrt` names)."""
-        layout = self._layout(point, (method, repr(of), repr(wrt), mode, return_format))
+        layout = self._layout(point, (method, repr(of), repr(wrt), mode, return_format),
+                              refused)
         of = self._names(method, "of", of, self.output_names,
                          layout.differentiable["outputs"])
         wrt = self._names(method, "wrt", wrt, self.input_names,
@@ -495,15 +484,23 @@ class Problem:
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
         return {name: seeds[name] for name in layout.outputs}
 
-    def _layout(self, point, request):
+    def _layout(self, point, request, refused=None):
         """Agree with every rank on the request (the entry point and its arguments) and
         the shapes of `point` (one small collective per call), and return its `Layout`
-        (traced once per new shapes, on every rank)."""
+        (traced once per new shapes, on every rank).
+
+        `refused`: the error of an argument this rank refused (then `point` is the
+        current one). This rank takes its place in the agreement with a mark instead of
+        a request and raises the error; the other ranks raise a `DistopError` naming it.
+        No rank runs the call, and none waits for another."""
         local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
         dist_inputs = [k for k in point if k in self.distributed]
         counts = ()
         if self.comm.Get_size() > 1:
-            fixed = self._fixed.get((local, request))
+            if refused is not None:  # (a hash is never negative)
+                fixed = ((_REFUSED, f"{type(refused).__name__}: {refused}", None), -1)
+            else:
+                fixed = self._fixed.get((local, request))
             if fixed is None:  # what must agree, and its hash: once per shapes and request
                 shapes = tuple((k, s[1:] if k in self.distributed else s, d)
                                for k, s, d in local)
@@ -517,11 +514,13 @@ class Problem:
                 self.comm.Allgather(mine, every)
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
-                refused = [f"  rank {r}: {s}" for r, (c, s, _) in enumerate(shapes)
-                           if c == _REFUSED]
-                if refused:
+                others = [f"  rank {r}: {s}" for r, (c, s, _) in enumerate(shapes)
+                          if c == _REFUSED]
+                if refused is not None:
+                    raise refused
+                if others:
                     raise DistopError("other ranks refused their arguments to the same call, "
-                                      "so no rank runs it:\n" + "\n".join(refused))
+                                      "so no rank runs it:\n" + "\n".join(others))
                 raise DistopError(
                     "the ranks called different entry points, of different Problems (#: "
                     "the order of their making on this communicator), with different "
@@ -533,6 +532,8 @@ class Problem:
                     "rank; only inputs named in Problem(distributed=...) may differ, and "
                     "only in axis 0.")
             counts = tuple(map(tuple, every[:, 1:].T.tolist()))
+        if refused is not None:  # (every rank refused, or there is only this one)
+            raise refused
         key = (local, counts)
         layout = self._layouts.get(key)
         if layout is None:
@@ -928,7 +929,7 @@ def _seed_groups(layout):
 
 _REUSES = 8  # (see `Problem._on_device`)
 _serials = {}  # private communicator's handle -> count of the Problems made on it
-_REFUSED = "refused"  # (see `Problem._refuse`)
+_REFUSED = "refused"  # (see `Problem._layout`)
 
 
 def _device(array):

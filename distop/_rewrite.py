@@ -472,11 +472,10 @@ def _permuted(x, order, axis, to):
 
 def _permutation(value):
     """Whether `value` is a permutation matrix (0 and 1 only, one 1 in every row and
-    every column), other than the identity."""
-    return (value.ndim == 2 and value.shape[0] == value.shape[1] and value.size > 0
-            and np.isin(value, (0, 1)).all() and (value.sum(axis=0) == 1).all()
-            and (value.sum(axis=1) == 1).all()
-            and not np.array_equal(value, np.eye(len(value), dtype=value.dtype)))
+    every column), the identity included."""
+    return (value.ndim == 2 and value.shape[0] == value.shape[1]
+            and value.dtype.kind in "biuf" and (value >= 0).all()
+            and _selects(value, (0,)) and _selects(value, (1,)))
 
 
 # -- values known before the program runs ----------------------------------------------
@@ -548,11 +547,11 @@ def fold_known(closed_jaxpr, identities, limit=FOLD_LIMIT, budget=FOLD_BUDGET,
                                kept, jaxpr.effects, jaxpr.debug_info),
                          [*closed_jaxpr.consts, *values])
     # a value folded into an identity or a permutation matrix: its products go as well
-    closed = drop_identity_products(closed, {
-        v for v, value in zip(results, values) if value.ndim == 2
-        and value.shape[0] == value.shape[1]
-        and np.array_equal(value, np.eye(len(value), dtype=value.dtype))}, {
-        v: value for v, value in zip(results, values) if _permutation(value)}) or closed
+    permutations = {v: value for v, value in zip(results, values) if _permutation(value)}
+    identities = {v for v, value in permutations.items()
+                  if (np.argmax(value, axis=1) == np.arange(len(value))).all()}
+    closed = drop_identity_products(closed, identities, {
+        v: value for v, value in permutations.items() if v not in identities}) or closed
     return _fenced(closed, results)
 
 

@@ -46,8 +46,9 @@ def assemble(problem, layout, cts, of, wrt, return_format):
     """
     comm, rank = problem.comm, problem.comm.Get_rank()
     offsets = layout.offsets(of)
-    local = [(o, offsets[i]) + layout.local_rows(o, rank) for i, o in enumerate(of)
-             if return_format == "local" and o in layout.counts]
+    local = [] if return_format != "local" else [  # this rank's rows of a distributed `of`
+        (o, offsets[i]) + layout.local_rows(o, rank) for i, o in enumerate(of)
+        if o in layout.counts]
     totals = {}
     for w in wrt:
         block = cts[w].reshape(offsets[-1], -1)
@@ -56,7 +57,7 @@ def assemble(problem, layout, cts, of, wrt, return_format):
         # views of the program's result (read-only), not copies
         for o, start, stop in zip(of, offsets, offsets[1:]):
             totals[o, w] = block[start:stop]
-        for o, offset, start, stop in local:  # this rank's rows of a distributed `of`
+        for o, offset, start, stop in local:
             totals[o, w] = block[offset + start:offset + stop]
     return totals
 

@@ -607,6 +607,15 @@ def arguments_refused_on_one_rank_raise_on_every_rank():
             raise AssertionError("no error")
         # every rank is in step again
         assert problem.run(x=np.full(3, 2.0))["f"] == 12.0 * comm.Get_size() ** 2
+    try:  # every rank refuses: each raises its own error, and all stay in step
+        problem.run(z=1.0)
+    except distop.DistopError as err:
+        raise AssertionError(f"not this rank's own error: {err}") from err
+    except ValueError as err:
+        assert "no input named 'z'" in str(err), err
+    else:
+        raise AssertionError("no error")
+    assert problem.run()["f"] == 12.0 * comm.Get_size() ** 2
     made = [  # also when the Problem is made: rank 0's arguments are bad
         (dict(inputs={"x": "abc"}), "TypeError: Problem(inputs={'x': ...}): got a str"),
         (dict(inputs=[np.ones(2)]), "TypeError: Problem(inputs=...): expected a non-empty"),

@@ -3,14 +3,17 @@
 Peak memory of the large matvec scenario (M = 1e6 doubles, sparse blocks, K objectives):
 the growth of each rank's peak RSS over its baseline after imports (so the data every
 variant builds, the same for all, counts too), for `run` and then `compute_totals`,
-distop against the hand-written numpy + mpi4py script. distop keeps one private copy of
-each numpy input (the caller may change its arrays afterwards; JAX array inputs are
-shared, not copied) and pays XLA's start-up (about 50 MiB, plus about 10 per program).
-Each variant runs in its own `mpiexec` job (peak RSS only grows), and the table shows
-the max over ranks. `setup`: the growth once the data is made (and, for distop, the
-Problem created: its copies of the inputs made, its programs traced), before any call;
-`run`, `compute_totals`: after the calls of each. Options: --ranks P (default 2), --size
-M (default 1000000), --objectives K (default 16), --calls N (default 3).
+distop against the hand-written numpy + mpi4py script. Every variant builds the same
+data: x and W made by `distop.empty` (arrays XLA can read in place), and A's transpose
+(the operator makes it in its constructor; the script, at setup too). `distop`: by
+default, distop keeps one private copy of each numpy input (the caller may change its
+arrays afterwards); `shared`: `Problem(..., copy=None)`, which reads them in place.
+distop also pays XLA's start-up (about 45 MiB, plus a few per program). Each variant
+runs in its own `mpiexec` job (peak RSS only grows), and the table shows the max over
+ranks. `setup`: the growth once the data is made (and, for distop, the Problem created:
+its copies of the inputs made, its programs traced), before any call; `run`,
+`compute_totals`: after the calls of each. Options: --ranks P (default 2), --size M
+(default 1000000), --objectives K (default 16), --calls N (default 3).
 """
 
 import argparse
@@ -39,17 +42,21 @@ def worker(variant, size, objectives, calls):
 
     import distop
 
-    from matvec import hand_written
+    from matvec import hand_written, transpose
 
     jax.config.update("jax_enable_x64", True)
     comm = MPI.COMM_WORLD
     base = peak_mib()  # after imports: the data each variant builds counts as growth
     a_local = sp.random(size, size, density=4.0 / size, format="csr",
                         random_state=np.random.default_rng(comm.rank))
-    x0 = np.sin(0.37 * np.arange(size)) + 0.1
-    w = np.random.default_rng(7).standard_normal((objectives, size))
+    x0 = distop.empty(size)
+    np.sin(0.37 * np.arange(size), out=x0)
+    x0 += 0.1
+    w = distop.empty((objectives, size))
+    np.random.default_rng(7).standard_normal((objectives, size), out=w)
     growth = {}
     if variant == "hand":
+        transpose(a_local)
         growth["setup"] = peak_mib() - base
         for _ in range(calls):
             hand_written(a_local, w, x0, gradients=False)
@@ -61,7 +68,8 @@ def worker(variant, size, objectives, calls):
         op = dm.DistributedMatvec(a_local)
         # W is an input, not a constant the program would embed (a copy per program).
         problem = distop.Problem(lambda x, w: {"f": w @ op(x)}, {"x": x0, "w": w},
-                                 backend="io_callback" if variant == "io_callback" else "lean")
+                                 backend="io_callback" if variant == "io_callback" else "lean",
+                                 copy=None if variant == "shared" else True)
         growth["setup"] = peak_mib() - base
         for _ in range(calls):
             problem.run()
@@ -88,7 +96,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     results = {}
-    for variant in ("hand", "distop", "io_callback"):
+    for variant in ("hand", "distop", "shared", "io_callback"):
         out = subprocess.run([str(mpiexec if mpiexec.exists() else "mpiexec"), "-n",
                               str(args.ranks), sys.executable, str(HERE), "--variant",
                               variant, "--size", str(args.size), "--objectives",
@@ -97,7 +105,7 @@ def main():
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"# peak RSS growth per rank over the post-import baseline (MiB, max over "
           f"{args.ranks} ranks), M={args.size}, K={args.objectives}, {args.calls} calls each")
-    names = {"hand": "hand", "distop": "distop", "io_callback": "io_cb"}
+    names = {"hand": "hand", "distop": "distop", "shared": "shared", "io_callback": "io_cb"}
     print(f"{'entry':<16}" + "".join(f"{n:>10}" for n in names.values())
           + "".join(f"{n + '/hand':>12}" for n in list(names.values())[1:]))
     for entry in ("setup", "run", "compute_totals"):

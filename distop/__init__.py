@@ -20,6 +20,7 @@ from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._errors import SecondDerivativeError as SecondDerivativeError
 from ._operator import DistributedOperator as DistributedOperator
 from ._problem import Problem as Problem
+from ._problem import empty as empty
 from ._safety import configure as configure
 from ._schedule import ScheduleEntry as ScheduleEntry
 from ._totals import TotalsCheck as TotalsCheck

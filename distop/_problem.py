@@ -126,6 +126,15 @@ class Problem:
       and next to each other in the schedule in ONE host call, one after another in
       schedule order (same results, same collectives in the same order, fewer
       dispatches; `schedule` shows the groups). Default True, or `DISTOP_FUSE=0`.
+    - `copy`: whether distop copies numpy array inputs, here and in `run` and
+      `run_and_compute_totals`, with numpy's meanings. True (default): it keeps its own
+      copy of each, so changing the caller's array later changes nothing here. None: an
+      array XLA can read in place (C-contiguous, in the machine's byte order, at a
+      64-byte-aligned address, as `distop.empty` makes them) is shared, not copied, and
+      others are copied; the caller must then not change a shared array while this
+      Problem may read it (pass a new array to `run` instead). False: as None, but an
+      array that needs a copy is a ValueError. JAX arrays are always shared (they are
+      immutable), and other values (numbers, lists) always converted.
 
     Attributes: `schedule` (the operator calls of the `compute_totals` program, in
     program order: forward, then vjp; only forward if an operator has no `vjp`),
@@ -133,7 +142,7 @@ class Problem:
     """
 
     def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False,
-                 backend=None, fuse=None):
+                 backend=None, fuse=None, copy=True):
         self.comm = _comm.private(comm)
         # Which Problem on this communicator (they are made in the same order on every
         # rank, each construction agreeing across ranks): part of every request, so that
@@ -143,6 +152,7 @@ class Problem:
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
         self.check_replicated = check_replicated
+        self.copy = copy
         self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
                      if fuse is None else bool(fuse))
         # arguments refused on some ranks raise on every rank
@@ -193,7 +203,9 @@ class Problem:
         if backend not in BACKENDS:
             raise ValueError(f"Problem(backend={backend!r}): expected one of "
                              f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
-        point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value)
+        if self.copy not in (True, None, False):
+            raise ValueError(f"Problem(copy={self.copy!r}): expected True, None or False.")
+        point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value, self.copy)
                  for name, value in inputs.items()}
         for name in self.distributed & set(point):
             if point[name].ndim == 0:
@@ -220,8 +232,8 @@ class Problem:
         **Returns:** dict of output name -> numpy array (this rank's block for
         distributed outputs): read-only views of the program's results, like JAX's
         own arrays (`.copy()` one to change it). The evaluated point becomes the
-        current point; distop keeps its own copy of numpy inputs (JAX arrays, being
-        immutable, are shared).
+        current point; distop keeps its own copy of numpy inputs unless
+        `Problem(copy=...)` says otherwise (JAX arrays, being immutable, are shared).
         """
         point, refused = self._moved("run", inputs)
         layout = self._layout(point, ("run",), refused)
@@ -332,7 +344,7 @@ class Problem:
                 if name not in point:
                     raise ValueError(f"{method}({name}=...): no input named '{name}'; "
                                      f"inputs are {list(self.input_names)}.")
-                point[name] = _as_input(f"{method}({name}=...)", value)
+                point[name] = _as_input(f"{method}({name}=...)", value, self.copy)
         except (TypeError, ValueError) as err:
             return self._point, err
         return point, None
@@ -866,7 +878,8 @@ class _Inputs:
     inputs: dict
 
 
-def _as_input(where, value):
+def _as_input(where, value, copy=True):
+    """An input as distop keeps it: see `Problem`'s `copy` (True, None or False)."""
     if isinstance(value, jax.Array) and value.is_fully_addressable:
         # immutable already: a read-only view of its memory, no copy (see `_device`)
         try:
@@ -886,7 +899,16 @@ def _as_input(where, value):
         raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode and would "
                         "silently round it. Call jax.config.update('jax_enable_x64', True) "
                         "first, or pass float32.")
-    return _aligned_copy(array)
+    if copy is True or not isinstance(value, np.ndarray):
+        return _aligned_copy(array)
+    why = _copy_needed(array)
+    if why is None:
+        return array
+    if copy is None:
+        return _aligned_copy(array)
+    raise ValueError(f"{where}: Problem(copy=False), but XLA cannot read this array in "
+                     f"place ({why}), so it needs a copy. Make it with distop.empty, or "
+                     "pass copy=None to copy such arrays.")
 
 
 def _numeric(dtype):
@@ -896,15 +918,43 @@ def _numeric(dtype):
                                      and jnp.issubdtype(dtype, jnp.inexact))
 
 
-def _aligned_copy(array, align=64):
-    """distop's own C-contiguous copy of an input (so that changing the caller's array
-    later changes nothing here), at an address XLA can read in place: `_device` then
-    hands it to the programs without a second copy. In the machine's byte order (JAX
-    takes no other)."""
-    raw = np.empty(array.nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    dtype = array.dtype.newbyteorder("=")
-    out = raw[start:start + array.nbytes].view(dtype).reshape(array.shape)
+ALIGN = 64  # the alignment at which XLA's CPU client reads a host buffer in place
+
+
+def empty(shape, dtype=float):
+    """A new, uninitialized numpy array that XLA can read in place: C-contiguous, at a
+    64-byte-aligned address (numpy's own are usually 16 bytes off it, and XLA copies
+    those). With `Problem(..., copy=None)`, an input made here is shared, not copied:
+    fill it in place first (`out=` of numpy's functions, or `a[...] = ...`).
+
+    **Arguments:**
+    - `shape`: int or tuple of ints.
+    - `dtype`: numpy dtype (default float64), in the machine's byte order.
+    """
+    dtype = np.dtype(dtype).newbyteorder("=")
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _copy_needed(array):
+    """**Returns:** why XLA would not read `array` in place (see `empty`), or None."""
+    if not array.flags.c_contiguous:
+        return "it is not C-contiguous"
+    if not array.dtype.isnative:
+        return "it is not in the machine's byte order"
+    if array.size and array.ctypes.data % ALIGN:  # (an empty array has no memory)
+        return f"its address is {array.ctypes.data % ALIGN} bytes off {ALIGN}-byte alignment"
+    return None
+
+
+def _aligned_copy(array):
+    """distop's own copy of an input (so that changing the caller's array later changes
+    nothing here), made by `empty`: `_device` then hands it to the programs without a
+    second copy. In the machine's byte order (JAX takes no other)."""
+    out = empty(array.shape, array.dtype)
     out[...] = array
     return out
 

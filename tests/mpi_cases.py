@@ -647,6 +647,30 @@ def arguments_refused_on_one_rank_raise_on_every_rank():
 
 
 @case("core")
+def shared_inputs_and_one_refused_on_one_rank():
+    # copy=None: each rank's distributed block, made by distop.empty, read in place
+    x = distop.empty(rank + 1)
+    x[:] = 1.0
+    problem = distop.Problem(lambda x: {"s": distop.AllreduceSum()(jnp.sum(x ** 2))},
+                             {"x": x}, distributed=["x"], copy=False)
+    assert problem._point["x"] is x
+    total = sum(r + 1 for r in range(comm.Get_size()))
+    assert problem.run()["s"] == total
+    J = problem.compute_totals()["s", "x"]
+    np.testing.assert_array_equal(J, np.full((1, total), 2.0))
+    who = comm.Get_size() - 1  # its new block needs a copy, which copy=False refuses
+    try:
+        problem.run(x=np.arange(rank + 3.0)[1:] if rank == who else x)
+    except distop.DistopError as err:
+        assert rank != who and f"rank {who}: ValueError" in str(err), err
+    except ValueError as err:
+        assert rank == who and "Problem(copy=False)" in str(err), err
+    else:
+        raise AssertionError("no error")
+    assert problem._point["x"] is x and problem.run()["s"] == total  # in step
+
+
+@case("core")
 def a_communicator_made_after_one_is_freed_gets_its_own_duplicate():
     # MPI gives the new communicator the freed one's handle: distop must not take it for
     # the old one (whose private duplicate has another group of ranks)

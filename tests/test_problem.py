@@ -984,6 +984,72 @@ def test_inputs_in_the_other_byte_order_are_taken_in_the_machine_s():
     np.testing.assert_array_equal(problem.compute_totals()["s", "x"], [[27, 12, 3]])
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128, np.int32,
+                                   jnp.bfloat16, ">f8"])
+@pytest.mark.parametrize("shape", [(), 0, 5, (3, 4), (16, 1001)])
+def test_empty_makes_arrays_that_xla_reads_in_place(shape, dtype):
+    a = distop.empty(shape, dtype)
+    assert a.shape == ((shape,) if isinstance(shape, int) else shape)
+    assert a.dtype == np.dtype(dtype).newbyteorder("=") and a.dtype.isnative
+    assert a.flags.c_contiguous and a.flags.writeable
+    if a.size:  # (an empty array has no memory)
+        assert a.ctypes.data % 64 == 0
+        a[...] = 1
+        assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+    assert distop.empty(7).dtype == np.float64
+    assert distop.Problem(lambda x: {"s": jnp.sum(x)}, {"x": a}, copy=False)._point["x"] is a
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_copy_none_shares_the_inputs_xla_reads_in_place_and_copies_the_others(backend):
+    from distop._problem import _REUSES
+
+    x = distop.empty(3)
+    x[:] = [1.0, 2.0, 3.0]
+    offset = np.arange(5.0)[1:4]  # 8 bytes past numpy's own alignment
+    assert offset.ctypes.data % 64
+    others = {"offset": offset, "strided": np.arange(6.0)[::2],
+              "swapped": np.array([0.0, 1.0, 2.0], ">f8" if np.little_endian else "<f8")}
+    problem = distop.Problem(
+        lambda x, **o: {"s": jnp.sum(Cube()(x)) + sum(jnp.sum(v) for v in o.values())},
+        {"x": x, **others}, backend=backend, copy=None)
+    assert problem._point["x"] is x
+    for k, v in others.items():
+        assert not np.shares_memory(problem._point[k], v), k
+    assert problem.run()["s"] == 36.0 + 6 + 6 + 3
+    np.testing.assert_array_equal(problem.compute_totals("s", "x")["s", "x"], [[3, 12, 27]])
+    # a new point: the new array itself, read in place by the program once used again
+    y = distop.empty(3)
+    y[:] = 1.0
+    for _ in range(_REUSES + 1):
+        assert problem.run(x=y)["s"] == 3.0 + 15
+    assert problem._point["x"] is y
+    assert problem._on_device(problem._point)["x"].unsafe_buffer_pointer() == y.ctypes.data
+    # numbers and lists are made into distop's own arrays
+    assert problem.run(x=[2.0, 0.0, 0.0])["s"] == 8.0 + 15
+
+
+def test_copy_false_refuses_an_input_that_needs_a_copy_and_names_why():
+    x = distop.empty(4)
+    x[:] = 1.0
+    model = lambda x, a: {"s": jnp.sum(x) * a}  # noqa: E731
+    problem = distop.Problem(model, {"x": x, "a": 2.0}, copy=False)
+    assert problem._point["x"] is x and problem.run()["s"] == 8.0
+    swapped = np.ones(4, ">f8" if np.little_endian else "<f8")
+    for bad, why in [(np.arange(5.0)[1:], "bytes off 64-byte alignment"),
+                     (np.ones(8)[::2], "not C-contiguous"),
+                     (swapped, "machine's byte order")]:
+        with pytest.raises(ValueError, match=rf"run\(x=...\): Problem\(copy=False\).*{why}"):
+            problem.run(x=bad)
+        with pytest.raises(ValueError, match=rf"inputs=\{{'x'.*copy=False.*{why}"):
+            distop.Problem(model, {"x": bad, "a": 2.0}, copy=False)
+    assert problem._point["x"] is x and problem.run()["s"] == 8.0  # nothing changed
+    with pytest.raises(ValueError, match=r"Problem\(copy='no'\): expected True, None or False"):
+        distop.Problem(model, {"x": x, "a": 2.0}, copy="no")
+    # by default, an array XLA could read in place is copied all the same
+    assert not np.shares_memory(distop.Problem(model, {"x": x, "a": 2.0})._point["x"], x)
+
+
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
 def test_a_model_that_differentiates_an_operator_itself_runs(backend):
     op = Cube()

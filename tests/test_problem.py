@@ -1032,7 +1032,9 @@ def test_copy_none_shares_the_inputs_xla_reads_in_place_and_copies_the_others(ba
 def test_copy_false_refuses_an_input_that_needs_a_copy_and_names_why():
     x = distop.empty(4)
     x[:] = 1.0
-    model = lambda x, a: {"s": jnp.sum(x) * a}  # noqa: E731
+    def model(x, a):
+        return {"s": jnp.sum(x) * a}
+
     problem = distop.Problem(model, {"x": x, "a": 2.0}, copy=False)
     assert problem._point["x"] is x and problem.run()["s"] == 8.0
     swapped = np.ones(4, ">f8" if np.little_endian else "<f8")

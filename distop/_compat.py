@@ -21,22 +21,31 @@ def x64_enabled():
 from jax._src.callback import _OrderedIOEffect as ORDERED_IO_EFFECT  # noqa: E402, F401
 from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
 
-# Per-primitive linearization rules (no public name as of jax 0.10.2):
+# Per-primitive linearization rules (no public name as of jax 0.12.0):
 # without one, JAX derives a primitive's linearization from its JVP rule by partial
-# evaluation, call by call. None where this jax has no such table, or calls its rules
-# otherwise than jax 0.10.2 does (distop then keeps JAX's derivation: slower to trace,
-# the same program).
+# evaluation, call by call. A rule returns (outputs, which tangents are nonzero,
+# residuals, linear function of (residuals, *tangents)) up to jax 0.10.2; newer releases
+# add "structured residuals" before the function, which then takes them after the
+# residuals (STRUCTURED_RESIDUALS). None where this jax has no such table, or calls its
+# rules otherwise (distop then keeps JAX's derivation: slower to trace, the same
+# program).
 try:
     import inspect
 
-    from jax._src.interpreters.ad import fallback_linearize_rule, primitive_linearizations
+    from jax._src.interpreters.ad import (LinearizeTrace, fallback_linearize_rule,
+                                          primitive_linearizations)
 
     if [p.kind for p in inspect.signature(fallback_linearize_rule).parameters.values()] != [
             inspect.Parameter.POSITIONAL_OR_KEYWORD] * 3 + [inspect.Parameter.VAR_POSITIONAL,
                                                           inspect.Parameter.VAR_KEYWORD]:
         raise ImportError("another calling convention")
-except ImportError:  # pragma: no cover - other jax releases
+    _caller = inspect.getsource(LinearizeTrace.process_primitive)
+    STRUCTURED_RESIDUALS = "residuals, structured_res, linearized = lin(" in _caller
+    if not STRUCTURED_RESIDUALS and "residuals, linearized = lin(" not in _caller:
+        raise ImportError("another calling convention")
+except (ImportError, OSError, TypeError):  # pragma: no cover - other jax releases
     fallback_linearize_rule = primitive_linearizations = None
+    STRUCTURED_RESIDUALS = False
 
 
 def prefer_inline_execution():

@@ -23,8 +23,8 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _comm, _ffi
 from ._callback import HostCall, _inexact
-from ._compat import (ORDERED_IO_EFFECT, ShapedArray, fallback_linearize_rule, no_effects,
-                      primitive_linearizations)
+from ._compat import (ORDERED_IO_EFFECT, STRUCTURED_RESIDUALS, ShapedArray,
+                      fallback_linearize_rule, no_effects, primitive_linearizations)
 from ._errors import MissingMethodError, SecondDerivativeError
 
 
@@ -312,11 +312,15 @@ def _linearize(is_vjp, nonzeros, *primals, call):
     residuals = (outs[0], *primals[1:]) if call.lean else primals
 
     def linearized(residuals, *tangents):
+        if STRUCTURED_RESIDUALS:
+            tangents = tangents[1:]  # (none here)
         if call.lean:  # the token has no tangent
             return _tangents_out(call, residuals[0], residuals[1:], tangents[1:])
         return _tangents_out(call, None, residuals, tangents)
 
     nonzero_out = [False] * call.lean + [_inexact(s) for s in call.out_specs]
+    if STRUCTURED_RESIDUALS:
+        return outs, nonzero_out, residuals, None, linearized
     return outs, nonzero_out, residuals, linearized
 
 

@@ -19,6 +19,8 @@ import threading
 import jax.numpy as jnp
 import numpy as np
 
+from ._compat import x64_enabled
+
 TARGET = "distop_host_call"
 _calls = {}  # call_id -> HostCall (or FusedCall) of every live lowered lean call site
 _ids = itertools.count(1)
@@ -243,6 +245,16 @@ def release(calls):
 
 
 # -- the token, threaded through the calls while a program is traced ----------------------
+# Restart the count here: the token counts exactly up to 2**24 in 32-bit mode.
+TOKEN_RESTART = 2 ** 20
+
+
+def token_dtype():
+    """The token's dtype: float64, or float32 where JAX is in 32-bit mode (a program
+    takes no float64 input then)."""
+    return np.dtype(np.float64 if x64_enabled() else np.float32)
+
+
 class Session:
     """Holds the current token while `Problem` traces one program with the lean path."""
 

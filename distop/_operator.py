@@ -223,13 +223,14 @@ host_call_p = Primitive("distop_host_call")
 host_call_p.multiple_results = True
 
 
-_TOKEN = ShapedArray((), np.float64)
+def _token_aval():
+    return ShapedArray((), _ffi.token_dtype())
 
 
 def _abstract_eval(*args, call):
     avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
     if call.lean:
-        return [_TOKEN] + avals, no_effects
+        return [_token_aval()] + avals, no_effects
     return avals, ({ORDERED_IO_EFFECT} if call.ordered else no_effects)
 
 
@@ -297,7 +298,7 @@ def _tangents_out(call, token, inputs, tangents):
     out = [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
                                                    .to_tangent_aval())
            for s in call.out_specs]
-    return [ad.Zero(_TOKEN.to_tangent_aval())] + out if call.lean else out
+    return [ad.Zero(_token_aval().to_tangent_aval())] + out if call.lean else out
 
 
 def _linearize(is_vjp, nonzeros, *primals, call):

@@ -6,6 +6,7 @@ import gc
 import hashlib
 import itertools
 import math
+import operator
 import os
 import sys
 import warnings
@@ -167,7 +168,7 @@ class Problem:
         self._device = {}
         self._traced_run = None  # (inputs, traced run program) of the newest layout
         self._warned_loop = False
-        self._token = jnp.zeros((), np.float64)
+        self._token = jnp.zeros((), _ffi.token_dtype())
         self._calls = 0  # the token's value: lean host calls run so far
         # (the options that shape the programs are part of the first request)
         layout = self._layout(self._point, ("Problem", f"backend={self.backend}",
@@ -203,8 +204,9 @@ class Problem:
         if backend not in BACKENDS:
             raise ValueError(f"Problem(backend={backend!r}): expected one of "
                              f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
-        if self.copy not in (True, None, False):
+        if not (self.copy is None or isinstance(self.copy, (bool, np.bool_))):
             raise ValueError(f"Problem(copy={self.copy!r}): expected True, None or False.")
+        self.copy = None if self.copy is None else bool(self.copy)
         point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value, self.copy)
                  for name, value in inputs.items()}
         for name in self.distributed & set(point):
@@ -289,7 +291,7 @@ class Problem:
         order its arithmetic otherwise). The evaluated point becomes the current point.
         """
         point, refused = self._moved("run_and_compute_totals",
-                                     {} if inputs is None else inputs)
+                                     {} if inputs is None else inputs, keywords=False)
         layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
                                                mode, return_format, refused)
         if of and wrt:
@@ -331,20 +333,23 @@ class Problem:
                                     raise_on_error=raise_on_error,
                                     show_only_incorrect=show_only_incorrect)
 
-    def _moved(self, method, inputs):
+    def _moved(self, method, inputs, keywords=True):
         """**Returns:** (the current point with `inputs` (name -> array) in it, None), or
         (the current point, the error) if this rank refuses them: `_layout` raises it on
-        every rank."""
+        every rank. `keywords`: whether the method takes them as keywords (`run(x=...)`)
+        or as a dict (`inputs={'x': ...}`), for the messages."""
         try:
             if not isinstance(inputs, dict):
                 raise TypeError(f"{method}(inputs=...): expected a dict of name -> array; "
                                 f"got a {type(inputs).__name__}.")
             point = dict(self._point)
             for name, value in inputs.items():
+                where = (f"{method}({name}=...)" if keywords
+                         else f"{method}(inputs={{'{name}': ...}})")
                 if name not in point:
-                    raise ValueError(f"{method}({name}=...): no input named '{name}'; "
+                    raise ValueError(f"{where}: no input named '{name}'; "
                                      f"inputs are {list(self.input_names)}.")
-                point[name] = _as_input(f"{method}({name}=...)", value, self.copy)
+                point[name] = _as_input(where, value, self.copy)
         except (TypeError, ValueError) as err:
             return self._point, err
         return point, None
@@ -744,7 +749,7 @@ class Problem:
             return found
         run = run or jaxpr_as_fun(closed)
         fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
-        fn.trace(jax.ShapeDtypeStruct((), np.float64), layout.inputs, *specs)
+        fn.trace(jax.ShapeDtypeStruct((), _ffi.token_dtype()), layout.inputs, *specs)
         return fn, found[1], closed
 
     def _trace_with(self, name, options, layout, specs, vectorize, lean):
@@ -761,7 +766,7 @@ class Problem:
             return _pack(values) + (token,)
 
         fn = jax.jit(packed)
-        token = jax.ShapeDtypeStruct((), np.float64)
+        token = jax.ShapeDtypeStruct((), _ffi.token_dtype())
         traced = self._agree(f"{name}: tracing the program",
                              lambda: fn.trace(token, layout.inputs, *specs))
         return fn, outputs, traced.jaxpr
@@ -780,6 +785,8 @@ class Problem:
                         f"{self._calls - calls} host calls instead of {program.calls}; "
                         "please report this as a bug of distop, with your jax version. "
                         "Problem(..., backend='io_callback') avoids the lean path.")
+                if self._calls >= _ffi.TOKEN_RESTART:
+                    self._token, self._calls = jnp.zeros((), self._token.dtype), 0
             if program.checker is not None:
                 # A rank whose program skipped a collective (rank-dependent control flow)
                 # meets the others' next collective here, and every rank raises.
@@ -888,6 +895,9 @@ def _as_input(where, value, copy=True):
             raise TypeError(f"{where}: could not read the JAX array: {err}") from err
         if host.flags.c_contiguous and _numeric(host.dtype):
             return host
+    if isinstance(value, np.ma.MaskedArray):  # (np.asarray would drop the mask)
+        raise TypeError(f"{where}: got a masked array; pass an array of its values, "
+                        "`a.filled(...)`, as JAX does.")
     try:
         array = np.asarray(value)
     except Exception as err:
@@ -895,10 +905,13 @@ def _as_input(where, value, copy=True):
     if not _numeric(array.dtype):
         raise TypeError(f"{where}: got a {type(value).__name__} ({array.dtype}); expected a "
                         "numeric array or number.")
-    if array.dtype.itemsize == 8 and array.dtype.kind in "fic" and not x64_enabled():
-        raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode and would "
-                        "silently round it. Call jax.config.update('jax_enable_x64', True) "
-                        "first, or pass float32.")
+    if not x64_enabled():
+        narrow = np.dtype(jax.dtypes.canonicalize_dtype(array.dtype))
+        if narrow.itemsize < array.dtype.itemsize:
+            raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode and "
+                            f"would silently make it {narrow}. Call "
+                            "jax.config.update('jax_enable_x64', True) first, or pass "
+                            f"{narrow}.")
     if copy is True or not isinstance(value, np.ndarray):
         return _aligned_copy(array)
     why = _copy_needed(array)
@@ -932,7 +945,15 @@ def empty(shape, dtype=float):
     - `dtype`: numpy dtype (default float64), in the machine's byte order.
     """
     dtype = np.dtype(dtype).newbyteorder("=")
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if dtype.hasobject or not dtype.itemsize:
+        raise TypeError(f"distop.empty(dtype={dtype}): expected a numeric dtype.")
+    try:
+        shape = tuple(map(operator.index, [shape] if np.ndim(shape) == 0 else shape))
+    except TypeError as err:
+        raise TypeError(f"distop.empty(shape={shape!r}): expected an int or a tuple of "
+                        "ints.") from err
+    if any(n < 0 for n in shape):
+        raise ValueError(f"distop.empty(shape={shape}): negative dimensions are not allowed.")
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN

@@ -1055,6 +1055,63 @@ def test_copy_false_refuses_an_input_that_needs_a_copy_and_names_why():
     assert not np.shares_memory(distop.Problem(model, {"x": x, "a": 2.0})._point["x"], x)
 
 
+def test_copy_takes_numpy_s_bools_and_refuses_other_values():
+    x = distop.empty(2)
+    x[:] = 1.0
+    def model(x):
+        return {"s": jnp.sum(x)}
+    assert not np.shares_memory(distop.Problem(model, {"x": x}, copy=np.True_)._point["x"], x)
+    assert distop.Problem(model, {"x": x}, copy=np.False_)._point["x"] is x
+    for bad in (1, 0, 1.0, "no", [True]):
+        with pytest.raises(ValueError, match=r"Problem\(copy=.*\): expected True, None or False"):
+            distop.Problem(model, {"x": x}, copy=bad)
+
+
+def test_empty_refuses_what_numpy_refuses():
+    for shape, error, text in [(-1, ValueError, "negative dimensions"),
+                               ((2, -1), ValueError, "negative dimensions"),
+                               (3.0, TypeError, "an int or a tuple of ints"),
+                               ((2.0,), TypeError, "an int or a tuple of ints")]:
+        with pytest.raises(error, match=rf"distop.empty\(shape=.*\): .*{text}"):
+            distop.empty(shape)
+    for dtype in (object, "U"):
+        with pytest.raises(TypeError, match=r"distop.empty\(dtype=.*\): expected a numeric"):
+            distop.empty(2, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64, np.complex128])
+def test_in_32_bit_mode_an_input_jax_would_narrow_is_refused(dtype):
+    jax.config.update("jax_enable_x64", False)
+    try:
+        for copy in (True, None, False):
+            with pytest.raises(TypeError, match=r"32-bit mode and would silently make it "):
+                distop.Problem(lambda x: {"y": x * 2}, {"x": distop.empty(3, dtype)},
+                               copy=copy)
+        # float32 works, with a float32 token (no float64 in a program in this mode)
+        p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))},
+                           {"x": np.ones(3, np.float32)})
+        for _ in range(3):
+            assert p.run()["s"] == 3.0 and p._token.dtype == np.float32
+        assert p.compute_totals()["s", "x"].tolist() == [[3.0, 3.0, 3.0]]
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+def test_the_token_count_restarts_before_it_could_lose_exactness(monkeypatch):
+    monkeypatch.setattr(distop._ffi, "TOKEN_RESTART", 5)
+    p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))}, {"x": np.ones(2)})
+    seen = []
+    for _ in range(12):
+        assert p.run()["s"] == 2.0
+        seen.append(p._calls)
+    assert max(seen) == 4 and seen.count(0) == 2, seen
+
+
+def test_masked_arrays_are_refused_not_unmasked():
+    with pytest.raises(TypeError, match=r"got a masked array; pass an array of its values"):
+        distop.Problem(lambda x: {"y": x * 2}, {"x": np.ma.array([1.0, 2.0], mask=[0, 1])})
+
+
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
 def test_a_model_that_differentiates_an_operator_itself_runs(backend):
     op = Cube()

@@ -32,8 +32,11 @@ from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
 try:
     import inspect
 
-    from jax._src.interpreters.ad import (LinearizeTrace, fallback_linearize_rule,
-                                          primitive_linearizations)
+    from jax._src.interpreters.ad import (
+        LinearizeTrace,
+        fallback_linearize_rule,
+        primitive_linearizations,
+    )
 
     if [p.kind for p in inspect.signature(fallback_linearize_rule).parameters.values()] != [
             inspect.Parameter.POSITIONAL_OR_KEYWORD] * 3 + [inspect.Parameter.VAR_POSITIONAL,

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._comm import world
@@ -149,6 +150,7 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
         say("check_totals: nothing to check (no floating-point outputs or inputs)")
         return {}
     check_replicated(problem, {**point, **problem.run()}, "check_totals")
+    _say_precision(layout, of, wrt, form, step, rtol, say)
     started = time.perf_counter()
     J = problem.compute_totals(of, wrt)
     J_fd = _finite_differences(problem, layout, of, wrt, form, step, say)
@@ -185,6 +187,20 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
                 if results[o, w].inconsistent_ranks else
                 f" [rel error {results[o, w].rel_error:.2e}]") for o, w in failed))
     return results
+
+
+def _say_precision(layout, of, wrt, form, step, rtol, say):
+    """Tell where `step` or `rtol` (the defaults suit float64) are finer than the
+    precision of the values would let finite differences resolve."""
+    eps = max(float(jnp.finfo(layout.spec(n).dtype).eps) for n in (*of, *wrt))
+    best_step = eps ** (1 / 3 if form == "central" else 1 / 2)
+    resolved = eps / best_step + best_step ** (2 if form == "central" else 1)
+    if step < best_step / 10 or rtol < resolved:
+        coarse = sorted({str(layout.spec(n).dtype) for n in (*of, *wrt)
+                         if float(jnp.finfo(layout.spec(n).dtype).eps) == eps})
+        say(f"check_totals: with {'/'.join(coarse)} values, {form} differences resolve a "
+            f"relative error of about {resolved:.0e} at best, near step={best_step:.0e}; "
+            f"step={step:g}, rtol={rtol:g} ask for more. Pass step= and rtol= to suit.")
 
 
 def _finite_differences(problem, layout, of, wrt, form, step, say):

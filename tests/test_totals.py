@@ -51,3 +51,20 @@ def test_check_totals_flags_a_wrong_vjp():
     with pytest.raises(distop.DerivativeCheckError, match=r"\('y', 'x'\)"):
         problem.check_totals(out_stream=None, raise_on_error=True)
     assert issubclass(distop.DerivativeCheckError, ValueError)
+
+
+def test_check_totals_says_where_float64_defaults_ask_too_much_of_lower_precision():
+    def model(x):
+        return {"y": jnp.sum(x ** 2)}
+
+    single = distop.Problem(model, {"x": np.ones(3, np.float32)})
+    out = io.StringIO()
+    assert not single.check_totals(out_stream=out)["y", "x"].ok  # step 1e-6 in float32
+    assert ("with float32 values, central differences resolve a relative error of about "
+            "5e-05 at best, near step=5e-03; step=1e-06, rtol=1e-06 ask for more") in (
+        out.getvalue()), out.getvalue()
+    for problem, options in [(single, dict(step=5e-3, rtol=1e-3)),
+                             (distop.Problem(model, {"x": np.ones(3)}), {})]:
+        out = io.StringIO()
+        assert problem.check_totals(out_stream=out, **options)["y", "x"].ok
+        assert "resolve" not in out.getvalue(), out.getvalue()

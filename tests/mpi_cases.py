@@ -671,6 +671,24 @@ def shared_inputs_and_one_refused_on_one_rank():
 
 
 @case("core")
+def thirty_two_bit_mode_with_float32_values():
+    jax.config.update("jax_enable_x64", False)
+    try:
+        op = distop.AllreduceSum()
+        problem = distop.Problem(lambda x: {"s": op(jnp.sum(x ** 2))},
+                                 {"x": np.full(rank + 1, 2.0, np.float32)}, distributed=["x"])
+        total = sum(r + 1 for r in range(comm.Get_size()))
+        for _ in range(3):
+            assert problem.run()["s"] == 4.0 * total and problem._token.dtype == np.float32
+        J = problem.compute_totals()["s", "x"]
+        assert J.dtype == np.float32 and J.tolist() == [[4.0] * total]
+        assert all(c.ok for c in problem.check_totals(step=5e-3, rtol=1e-3,
+                                                      out_stream=None).values())
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+@case("core")
 def a_communicator_made_after_one_is_freed_gets_its_own_duplicate():
     # MPI gives the new communicator the freed one's handle: distop must not take it for
     # the old one (whose private duplicate has another group of ranks)

@@ -154,6 +154,7 @@ class Problem:
                                      else distributed)
         self.check_replicated = check_replicated
         self.copy = copy
+        self._x64 = x64_enabled()  # the precision its programs are traced in
         self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
                      if fuse is None else bool(fuse))
         # arguments refused on some ranks raise on every rank
@@ -510,6 +511,12 @@ class Problem:
         current one). This rank takes its place in the agreement with a mark instead of
         a request and raises the error; the other ranks raise a `DistopError` naming it.
         No rank runs the call, and none waits for another."""
+        if refused is None and x64_enabled() != self._x64:
+            point, refused = self._point, DistopError(
+                f"{request[0]}: this Problem was made with jax_enable_x64="
+                f"{self._x64} and is called with {not self._x64}: its programs and values "
+                "are in the other precision. Change jax_enable_x64 back, or make a new "
+                "Problem after changing it.")
         local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
         dist_inputs = [k for k in point if k in self.distributed]
         counts = ()
@@ -908,10 +915,17 @@ def _as_input(where, value, copy=True):
     if not x64_enabled():
         narrow = np.dtype(jax.dtypes.canonicalize_dtype(array.dtype))
         if narrow.itemsize < array.dtype.itemsize:
-            raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode and "
-                            f"would silently make it {narrow}. Call "
-                            "jax.config.update('jax_enable_x64', True) first, or pass "
-                            f"{narrow}.")
+            if isinstance(value, (np.ndarray, np.generic)):  # a dtype of the caller's
+                raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode "
+                                f"and would silently make it {narrow}. Call "
+                                "jax.config.update('jax_enable_x64', True) first, or pass "
+                                f"{narrow}.")
+            # a Python number or list: made in 32 bits, as JAX makes it
+            narrowed = array.astype(narrow)
+            if narrow.kind in "iu" and (narrowed != array).any():
+                raise TypeError(f"{where}: {value!r} does not fit in {narrow}, JAX's "
+                                "integers in 32-bit mode.")
+            array = narrowed
     if copy is True or not isinstance(value, np.ndarray):
         return _aligned_copy(array)
     why = _copy_needed(array)

@@ -190,17 +190,22 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
 
 
 def _say_precision(layout, of, wrt, form, step, rtol, say):
-    """Tell where `step` or `rtol` (the defaults suit float64) are finer than the
-    precision of the values would let finite differences resolve."""
-    eps = max(float(jnp.finfo(layout.spec(n).dtype).eps) for n in (*of, *wrt))
-    best_step = eps ** (1 / 3 if form == "central" else 1 / 2)
-    resolved = eps / best_step + best_step ** (2 if form == "central" else 1)
-    if step < best_step / 10 or rtol < resolved:
-        coarse = sorted({str(layout.spec(n).dtype) for n in (*of, *wrt)
-                         if float(jnp.finfo(layout.spec(n).dtype).eps) == eps})
-        say(f"check_totals: with {'/'.join(coarse)} values, {form} differences resolve a "
-            f"relative error of about {resolved:.0e} at best, near step={best_step:.0e}; "
-            f"step={step:g}, rtol={rtol:g} ask for more. Pass step= and rtol= to suit.")
+    """Tell where `rtol` asks for less error than finite differences of this form, at
+    this step and in the values' precision, make (about eps/step for the rounding plus
+    step (one-sided) or step**2 (central) for the truncation, for values and derivatives
+    of order one); the defaults (step 1e-6, rtol 1e-6) suit central differences in
+    float64."""
+    dtypes = [layout.outputs[n].dtype for n in of] + [layout.inputs[n].dtype for n in wrt]
+    eps = max(float(jnp.finfo(d).eps) for d in dtypes)
+    order = 2 if form == "central" else 1
+    error = eps / step + step ** order
+    if rtol < error:
+        best_step = eps ** (1 / (order + 1))
+        coarse = sorted({str(d) for d in dtypes if float(jnp.finfo(d).eps) == eps})
+        say(f"check_totals: with {'/'.join(coarse)} values, {form} differences at "
+            f"step={step:g} have a relative error of about {error:.0e}, more than "
+            f"rtol={rtol:g}; at best about {eps / best_step + best_step ** order:.0e}, "
+            f"near step={best_step:.0e}. Pass step= and rtol= to suit.")
 
 
 def _finite_differences(problem, layout, of, wrt, form, step, say):

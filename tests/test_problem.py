@@ -1097,6 +1097,37 @@ def test_in_32_bit_mode_an_input_jax_would_narrow_is_refused(dtype):
         jax.config.update("jax_enable_x64", True)
 
 
+def test_in_32_bit_mode_numbers_and_lists_are_made_as_jax_makes_them():
+    jax.config.update("jax_enable_x64", False)
+    try:
+        p = distop.Problem(lambda x, a, n: {"y": Cube(ordered=True)(x) * a + n},
+                           {"x": [1.0, 2.0], "a": 2.0, "n": 3})
+        out = p.run()["y"]
+        assert out.dtype == np.float32 and out.tolist() == [5.0, 19.0]
+        assert p.run(x=[0.5, 1.0])["y"].tolist() == [3.25, 5.0]
+        with pytest.raises(TypeError, match=r"run\(n=...\): 1099511627776 does not fit in "
+                                            r"int32"):
+            p.run(n=2 ** 40)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_a_problem_called_in_the_other_precision_raises(backend):
+    p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))},
+                       {"x": np.ones(3)}, backend=backend)
+    assert p.run()["s"] == 3.0
+    jax.config.update("jax_enable_x64", False)
+    try:
+        for call in (p.run, p.compute_totals, p.run_and_compute_totals, p.check_totals):
+            with pytest.raises(distop.DistopError, match=r"made with jax_enable_x64=True and "
+                                                         r"is called with False"):
+                call()
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert p.run()["s"] == 3.0 and p.compute_totals()["s", "x"].tolist() == [[3.0] * 3]
+
+
 def test_the_token_count_restarts_before_it_could_lose_exactness(monkeypatch):
     monkeypatch.setattr(distop._ffi, "TOKEN_RESTART", 5)
     p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))}, {"x": np.ones(2)})

@@ -53,18 +53,30 @@ def test_check_totals_flags_a_wrong_vjp():
     assert issubclass(distop.DerivativeCheckError, ValueError)
 
 
-def test_check_totals_says_where_float64_defaults_ask_too_much_of_lower_precision():
+def test_check_totals_says_where_rtol_asks_more_than_finite_differences_make():
     def model(x):
         return {"y": jnp.sum(x ** 2)}
 
     single = distop.Problem(model, {"x": np.ones(3, np.float32)})
     out = io.StringIO()
     assert not single.check_totals(out_stream=out)["y", "x"].ok  # step 1e-6 in float32
-    assert ("with float32 values, central differences resolve a relative error of about "
-            "5e-05 at best, near step=5e-03; step=1e-06, rtol=1e-06 ask for more") in (
+    assert ("with float32 values, central differences at step=1e-06 have a relative error "
+            "of about 1e-01, more than rtol=1e-06; at best about 5e-05, near step=5e-03") in (
         out.getvalue()), out.getvalue()
-    for problem, options in [(single, dict(step=5e-3, rtol=1e-3)),
-                             (distop.Problem(model, {"x": np.ones(3)}), {})]:
+    # a float32 output named as a float64 input is the output's precision
+    same = distop.Problem(lambda x: {"x": jnp.sum(x.astype(jnp.float32) ** 2)},
+                          {"x": np.ones(3)})
+    out = io.StringIO()
+    same.check_totals(out_stream=out)
+    assert "with float32 values" in out.getvalue(), out.getvalue()
+    # one-sided differences at the default step: truncation alone is about the step
+    double = distop.Problem(model, {"x": np.ones(3)})
+    out = io.StringIO()
+    double.check_totals(form="forward", out_stream=out)
+    assert ("with float64 values, forward differences at step=1e-06 have a relative "
+            "error of about 1e-06, more than rtol=1e-06") in out.getvalue(), out.getvalue()
+    for problem, options in [(single, dict(step=5e-3, rtol=1e-3)), (double, {}),
+                             (double, dict(form="backward", step=1e-7, rtol=1e-5))]:
         out = io.StringIO()
         assert problem.check_totals(out_stream=out, **options)["y", "x"].ok
-        assert "resolve" not in out.getvalue(), out.getvalue()
+        assert "relative error of about" not in out.getvalue(), out.getvalue()

@@ -150,7 +150,6 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
         say("check_totals: nothing to check (no floating-point outputs or inputs)")
         return {}
     check_replicated(problem, {**point, **problem.run()}, "check_totals")
-    _say_precision(layout, of, wrt, form, step, rtol, say)
     started = time.perf_counter()
     J = problem.compute_totals(of, wrt)
     J_fd = _finite_differences(problem, layout, of, wrt, form, step, say)
@@ -178,6 +177,7 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
 
     if out_stream is not None and rank == 0:
         _table(results, say, show_only_incorrect)
+        _say_precision(layout, of, wrt, form, step, rtol, say)
     failed = [k for k, r in results.items() if not r.ok]
     if raise_on_error and failed:
         raise DerivativeCheckError(

@@ -73,6 +73,7 @@ def start():
     if problem:
         raise LauncherMismatchError(problem + " (DISTOP_SKIP_LAUNCH_CHECK=1 skips this "
                                     "check.)")
+    _abort_on_uncaught_exception(MPI.COMM_WORLD)
     return MPI
 
 
@@ -154,15 +155,14 @@ def private(comm):
             dup = comm.Dup()
             comm.Set_attr(_keyval, dup)
             dup.Set_attr(_keyval, dup)  # a private duplicate of a duplicate is itself
-            _abort_on_uncaught_exception(dup)
             _wait_for_peers_at_exit(dup)
     return dup
 
 
 def _abort_on_uncaught_exception(comm):
     """With several ranks, an uncaught exception on one rank would leave the others
-    waiting in their next collective: print it and abort the job instead.
-    `DISTOP_ABORT_ON_EXCEPTION=0` keeps Python's own handling."""
+    waiting in their next collective: print it and abort the job instead (installed at
+    `import distop`). `DISTOP_ABORT_ON_EXCEPTION=0` keeps Python's own handling."""
     if comm.Get_size() == 1 or getattr(sys.excepthook, "_distop", False):
         return
     if os.environ.get("DISTOP_ABORT_ON_EXCEPTION", "1") in ("", "0"):

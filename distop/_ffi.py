@@ -133,7 +133,7 @@ def _huge_pages():
 _HUGE, _MADV_HUGEPAGE = 2 << 20, 14
 # Results of at least this many bytes get huge pages, as numpy asks for its own arrays
 # of 4 MiB and more: XLA allocates a result's buffer afresh on most calls, and an
-# Allreduce into 128 MiB of 4 KiB pages took about twice as long (page faults, TLB
+# Allreduce into 122 MiB of 4 KiB pages took about twice as long (page faults, TLB
 # misses) as into a numpy array.
 _ADVISED = 4 << 20
 _advise = _huge_pages()

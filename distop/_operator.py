@@ -377,8 +377,14 @@ def _missing(op, phase):
 
 
 host_call_p.def_effectful_abstract_eval(_abstract_eval)
-host_call_p.def_impl(  # outside jit: call the host directly, in Python's own order
-    lambda *args, call: [jnp.asarray(r) for r in call(*(np.asarray(a) for a in args))])
+def _impl(*args, call):
+    """Outside jit: call the host directly, in Python's own order (a missing method
+    raises here, on every rank, before anything runs)."""
+    _require_method(call)
+    return [jnp.asarray(r) for r in call(*(np.asarray(a) for a in args))]
+
+
+host_call_p.def_impl(_impl)
 mlir.register_lowering(host_call_p, _lowering)
 ad.primitive_jvps[host_call_p] = _jvp
 ad.primitive_transposes[host_call_p] = _transpose

@@ -381,7 +381,7 @@ def drop_identity_products(closed_jaxpr, identities, permutations=None):
 
     A reverse sweep over K unit seeds starts with products like `seeds @ W`: with
     `seeds` the identity that is W itself, but XLA computes it (for a (16, 1e6) W,
-    about 150 ms and a fresh 128 MiB buffer). With the seeds in another order (the
+    about 150 ms and a fresh 122 MiB buffer). With the seeds in another order (the
     matvec's objectives `f0`, `f1`, ..., `f10` are seeded in the order of their names),
     it is W's rows in that order. The result is the exact product (where W holds
     infinities or NaNs, it is the derivative where the product would spread NaN; a

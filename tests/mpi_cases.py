@@ -689,6 +689,28 @@ def thirty_two_bit_mode_with_float32_values():
 
 
 @case("core")
+def forward_mode_without_a_jvp_raises_on_every_rank():
+    class NoJvp(distop.DistributedOperator):
+        forward_collectives = ("Allreduce",)
+
+        def forward(self, comm, x):
+            out = np.empty_like(x)
+            comm.Allreduce(x, out)
+            return out
+
+    op, x = NoJvp(), np.ones(3)
+    for forward_mode in (lambda: jax.jvp(op, (x,), (x,)), lambda: jax.jacfwd(op)(x),
+                         lambda: jax.jit(jax.jacfwd(op))(x)):
+        try:
+            forward_mode()
+        except distop.MissingMethodError as err:
+            assert "NoJvp does not implement jvp" in str(err), err
+        else:
+            raise AssertionError("no error")
+    np.testing.assert_array_equal(op(x), np.full(3, comm.Get_size()))  # in step
+
+
+@case("core")
 def a_communicator_made_after_one_is_freed_gets_its_own_duplicate():
     # MPI gives the new communicator the freed one's handle: distop must not take it for
     # the old one (whose private duplicate has another group of ranks)

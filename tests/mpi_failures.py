@@ -71,6 +71,10 @@ def main(scenario):
             print(f"rank {comm.rank}: exiting early", flush=True)
             sys.exit(0)
         problem.run()
+    elif scenario == "raises_before_any_problem":
+        if comm.rank == BAD:  # before distop made anything: only `import distop` ran
+            raise RuntimeError("no such input file")
+        comm.Barrier()
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()

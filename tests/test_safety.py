@@ -25,6 +25,7 @@ SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the
     ("rank_skips_operator", True, "Rank {bad} is running step #1: end of program"),
     ("rank_exits_early", False, "of {n} has waited"),
     ("undeclared_collective", True, "issued ['Barrier'], not declared"),
+    ("raises_before_any_problem", False, "uncaught RuntimeError on rank {bad}; aborting all"),
 ]
 
 

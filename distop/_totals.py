@@ -3,6 +3,8 @@ cross-rank consistency checks they rely on."""
 
 import dataclasses
 import hashlib
+import math
+import numbers
 import time
 
 import jax.numpy as jnp
@@ -135,11 +137,16 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
     point = problem._point
     # the arguments are checked once the ranks agree on them: an error on every rank
     layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), repr(method),
-                                     repr(form), repr(step)))
+                                     repr(form), repr(step), repr(atol), repr(rtol)))
     if method != "fd":
         raise ValueError(f"check_totals(method={method!r}): only 'fd' is available.")
     if form not in FORMS:
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
+    for name, value, least in (("step", step, 0), ("atol", atol, None), ("rtol", rtol, None)):
+        if not (isinstance(value, numbers.Real) and math.isfinite(value)
+                and (value > 0 if least == 0 else value >= 0)):
+            raise ValueError(f"check_totals({name}={value!r}): expected a "
+                             f"{'positive' if least == 0 else 'non-negative'} number.")
     of = problem._names("check_totals", "of", of, problem.output_names,
                         layout.differentiable["outputs"])
     wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,

@@ -80,3 +80,15 @@ def test_check_totals_says_where_rtol_asks_more_than_finite_differences_make():
         out = io.StringIO()
         assert problem.check_totals(out_stream=out, **options)["y", "x"].ok
         assert "relative error of about" not in out.getvalue(), out.getvalue()
+
+
+def test_check_totals_refuses_a_step_or_tolerance_that_is_not_a_number_it_can_use():
+    problem = distop.Problem(lambda x: {"y": jnp.sum(x ** 2)}, {"x": np.ones(2)})
+    for options, text in [(dict(step=0.0), r"step=0.0\): expected a positive number"),
+                          (dict(step=-1e-6), r"step=-1e-06\): expected a positive"),
+                          (dict(step="1e-6"), r"step='1e-6'\): expected a positive"),
+                          (dict(atol=-1.0), r"atol=-1.0\): expected a non-negative"),
+                          (dict(rtol=float("nan")), r"rtol=nan\): expected a non-negative")]:
+        with pytest.raises(ValueError, match=rf"check_totals\({text}"):
+            problem.check_totals(out_stream=None, **options)
+    assert problem.check_totals(out_stream=None, step=np.float32(1e-4), atol=0)["y", "x"].ok

@@ -900,7 +900,8 @@ def _as_input(where, value, copy=True):
             host = np.asarray(value)
         except Exception as err:  # a deleted (or donated) array, say
             raise TypeError(f"{where}: could not read the JAX array: {err}") from err
-        if host.flags.c_contiguous and _numeric(host.dtype):
+        if host.flags.c_contiguous and _numeric(host.dtype) and (
+                x64_enabled() or _narrowed(host.dtype) == host.dtype):  # (else refused below)
             return host
     if isinstance(value, np.ma.MaskedArray):  # (np.asarray would drop the mask)
         raise TypeError(f"{where}: got a masked array; pass an array of its values, "
@@ -913,9 +914,9 @@ def _as_input(where, value, copy=True):
         raise TypeError(f"{where}: got a {type(value).__name__} ({array.dtype}); expected a "
                         "numeric array or number.")
     if not x64_enabled():
-        narrow = np.dtype(jax.dtypes.canonicalize_dtype(array.dtype))
+        narrow = _narrowed(array.dtype)
         if narrow.itemsize < array.dtype.itemsize:
-            if isinstance(value, (np.ndarray, np.generic)):  # a dtype of the caller's
+            if isinstance(value, (np.ndarray, np.generic, jax.Array)):  # the caller's dtype
                 raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode "
                                 f"and would silently make it {narrow}. Call "
                                 "jax.config.update('jax_enable_x64', True) first, or pass "
@@ -936,6 +937,11 @@ def _as_input(where, value, copy=True):
     raise ValueError(f"{where}: Problem(copy=False), but XLA cannot read this array in "
                      f"place ({why}), so it needs a copy. Make it with distop.empty, or "
                      "pass copy=None to copy such arrays.")
+
+
+def _narrowed(dtype):
+    """**Returns:** the dtype JAX makes of `dtype` in its 32-bit mode."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def _numeric(dtype):

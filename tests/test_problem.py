@@ -1081,12 +1081,14 @@ def test_empty_refuses_what_numpy_refuses():
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64, np.complex128])
 def test_in_32_bit_mode_an_input_jax_would_narrow_is_refused(dtype):
+    made_in_64_bits = jnp.ones(3, dtype)  # (a JAX array made while x64 was on)
     jax.config.update("jax_enable_x64", False)
     try:
-        for copy in (True, None, False):
-            with pytest.raises(TypeError, match=r"32-bit mode and would silently make it "):
-                distop.Problem(lambda x: {"y": x * 2}, {"x": distop.empty(3, dtype)},
-                               copy=copy)
+        for x, copies in ((distop.empty(3, dtype), (True, None, False)),
+                          (made_in_64_bits, (True,))):
+            for copy in copies:
+                with pytest.raises(TypeError, match=r"32-bit mode and would silently make "):
+                    distop.Problem(lambda x: {"y": x * 2}, {"x": x}, copy=copy)
         # float32 works, with a float32 token (no float64 in a program in this mode)
         p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))},
                            {"x": np.ones(3, np.float32)})

@@ -379,7 +379,7 @@ def _missing(op, phase):
 host_call_p.def_effectful_abstract_eval(_abstract_eval)
 def _impl(*args, call):
     """Outside jit: call the host directly, in Python's own order (a missing method
-    raises here, on every rank, before anything runs)."""
+    raises here, on every rank, before its call runs)."""
     _require_method(call)
     return [jnp.asarray(r) for r in call(*(np.asarray(a) for a in args))]
 

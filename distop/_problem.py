@@ -965,7 +965,7 @@ def empty(shape, dtype=float):
     - `dtype`: numpy dtype (default float64), in the machine's byte order.
     """
     dtype = np.dtype(dtype).newbyteorder("=")
-    if dtype.hasobject or not dtype.itemsize:
+    if not _numeric(dtype) or not dtype.itemsize:
         raise TypeError(f"distop.empty(dtype={dtype}): expected a numeric dtype.")
     try:
         shape = tuple(map(operator.index, [shape] if np.ndim(shape) == 0 else shape))

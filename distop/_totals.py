@@ -143,10 +143,11 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
     if form not in FORMS:
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
     for name, value, least in (("step", step, 0), ("atol", atol, None), ("rtol", rtol, None)):
-        if not (isinstance(value, numbers.Real) and math.isfinite(value)
-                and (value > 0 if least == 0 else value >= 0)):
+        if not (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+                and math.isfinite(value) and (value > 0 if least == 0 else value >= 0)):
             raise ValueError(f"check_totals({name}={value!r}): expected a "
                              f"{'positive' if least == 0 else 'non-negative'} number.")
+    step, atol, rtol = float(step), float(atol), float(rtol)  # (a Fraction, say)
     of = problem._names("check_totals", "of", of, problem.output_names,
                         layout.differentiable["outputs"])
     wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,
@@ -168,16 +169,18 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
     results = {}
     keys = [(o, w) for o in of for w in wrt]
     every = comm.allgather([_digest(J[k]) + _digest(J_fd[k]) for k in keys])
-    for i, k in enumerate(keys):
-        diff = np.abs(J[k] - J_fd[k])
-        abs_error = float(np.linalg.norm(J[k] - J_fd[k]))
-        norm_fd = float(np.linalg.norm(J_fd[k]))
-        rel_error = abs_error / norm_fd if norm_fd else (0.0 if abs_error == 0 else np.inf)
-        ok = bool(np.all(diff <= atol + rtol * np.abs(J_fd[k])))
-        digests = [d[i] for d in every]
-        majority = max(set(digests), key=lambda d: (digests.count(d), d == digests[0]))
-        inconsistent = [r for r, d in enumerate(digests) if d != majority]
-        results[k] = TotalsCheck(J[k], J_fd[k], abs_error, rel_error, ok, inconsistent)
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
+        for i, k in enumerate(keys):
+            diff = np.abs(J[k] - J_fd[k])
+            abs_error = float(np.linalg.norm(J[k] - J_fd[k]))
+            norm_fd = float(np.linalg.norm(J_fd[k]))
+            rel_error = abs_error / norm_fd if norm_fd else (0.0 if abs_error == 0 else np.inf)
+            # (an infinite or NaN derivative on either side fails: inf <= inf would pass)
+            ok = bool(np.all(np.isfinite(diff)) and np.all(diff <= atol + rtol * np.abs(J_fd[k])))
+            digests = [d[i] for d in every]
+            majority = max(set(digests), key=lambda d: (digests.count(d), d == digests[0]))
+            inconsistent = [r for r, d in enumerate(digests) if d != majority]
+            results[k] = TotalsCheck(J[k], J_fd[k], abs_error, rel_error, ok, inconsistent)
     oks = comm.allgather([r.ok for r in results.values()])
     for i, r in enumerate(results.values()):
         r.ok = all(o[i] for o in oks) and not r.inconsistent_ranks
@@ -205,7 +208,7 @@ def _say_precision(layout, of, wrt, form, step, rtol, say):
     dtypes = [layout.outputs[n].dtype for n in of] + [layout.inputs[n].dtype for n in wrt]
     eps = max(float(jnp.finfo(d).eps) for d in dtypes)
     order = 2 if form == "central" else 1
-    error = eps / step + step ** order
+    error = eps / step + (step ** order if step < 1e100 else math.inf)
     if rtol < error:
         best_step = eps ** (1 / (order + 1))
         coarse = sorted({str(d) for d in dtypes if float(jnp.finfo(d).eps) == eps})
@@ -247,21 +250,22 @@ def _finite_differences(problem, layout, of, wrt, form, step, say):
     values = problem._execute(program, problem._point)
     base = None if len(signs) == 2 else problem.run()
     J_fd = {}
-    for o in of:
-        v = values[o].reshape(len(signs) * n, -1)
-        if len(signs) == 2:
-            d = (v[:n] - v[n:]) / (2 * step)
-        else:
-            d = signs[0] * (v - base[o].reshape(1, -1)) / step
-        d = d.real
-        for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
-            block = d[offset:offset + size]
-            if len(directions) == 2:
-                block = block - 1j * d[offset + size:offset + 2 * size]
-            block = np.ascontiguousarray(block.T)  # local rows of o
-            if o in layout.counts:
-                block = gather_rows(comm, block, _flat_counts(layout, o))
-            J_fd[o, w] = block
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
+        for o in of:
+            v = values[o].reshape(len(signs) * n, -1)
+            if len(signs) == 2:
+                d = (v[:n] - v[n:]) / (2 * step)
+            else:
+                d = signs[0] * (v - base[o].reshape(1, -1)) / step
+            d = d.real
+            for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
+                block = d[offset:offset + size]
+                if len(directions) == 2:
+                    block = block - 1j * d[offset + size:offset + 2 * size]
+                block = np.ascontiguousarray(block.T)  # local rows of o
+                if o in layout.counts:
+                    block = gather_rows(comm, block, _flat_counts(layout, o))
+                J_fd[o, w] = block
     return J_fd
 
 

@@ -1074,7 +1074,7 @@ def test_empty_refuses_what_numpy_refuses():
                                ((2.0,), TypeError, "an int or a tuple of ints")]:
         with pytest.raises(error, match=rf"distop.empty\(shape=.*\): .*{text}"):
             distop.empty(shape)
-    for dtype in (object, "U"):
+    for dtype in (object, "U", "U3", "S5", "M8[s]", [("a", "f8")]):
         with pytest.raises(TypeError, match=r"distop.empty\(dtype=.*\): expected a numeric"):
             distop.empty(2, dtype)
 

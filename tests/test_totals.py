@@ -1,6 +1,7 @@
 """Distributed variables, check_totals and built-in collectives in a single process
 (the same cases run under MPI from test_mpi.py)."""
 
+import fractions
 import io
 
 import jax.numpy as jnp
@@ -88,7 +89,15 @@ def test_check_totals_refuses_a_step_or_tolerance_that_is_not_a_number_it_can_us
                           (dict(step=-1e-6), r"step=-1e-06\): expected a positive"),
                           (dict(step="1e-6"), r"step='1e-6'\): expected a positive"),
                           (dict(atol=-1.0), r"atol=-1.0\): expected a non-negative"),
-                          (dict(rtol=float("nan")), r"rtol=nan\): expected a non-negative")]:
+                          (dict(rtol=float("nan")), r"rtol=nan\): expected a non-negative"),
+                          (dict(step=True), r"step=True\): expected a positive")]:
         with pytest.raises(ValueError, match=rf"check_totals\({text}"):
             problem.check_totals(out_stream=None, **options)
     assert problem.check_totals(out_stream=None, step=np.float32(1e-4), atol=0)["y", "x"].ok
+    r = problem.check_totals(out_stream=None, step=fractions.Fraction(1, 10 ** 6))["y", "x"]
+    assert r.ok and r.J_fd.dtype == np.float64
+    # a step so large that the differences overflow: not ok (inf or NaN), and the note
+    # after the table is computed without overflowing
+    out = io.StringIO()
+    r = problem.check_totals(out_stream=out, step=1e200)["y", "x"]
+    assert not r.ok and not np.isfinite(r.J_fd).any() and "FAILED" in out.getvalue()

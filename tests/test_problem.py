@@ -84,7 +84,8 @@ def test_run_and_compute_totals_is_run_then_compute_totals_in_one_call(backend, 
         np.testing.assert_array_equal(problem.run()["g"], twin.run()["g"])
     with pytest.raises(ValueError, match=r"run_and_compute_totals\(of=\['h'\]\): no output"):
         problem.run_and_compute_totals(["h"])
-    with pytest.raises(ValueError, match=r"run_and_compute_totals\(inputs=\{'z': ...\}\): no input"):
+    with pytest.raises(ValueError,
+                       match=r"run_and_compute_totals\(inputs=\{'z': ...\}\): no input"):
         problem.run_and_compute_totals(inputs={"z": 1.0})
     with pytest.raises(ValueError, match=r"run_and_compute_totals\(mode='fast'\)"):
         problem.run_and_compute_totals(mode="fast")

@@ -153,15 +153,14 @@ class Problem:
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
         self.check_replicated = check_replicated
-        self.copy = copy
         self._x64 = x64_enabled()  # the precision its programs are traced in
         self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
                      if fuse is None else bool(fuse))
         # arguments refused on some ranks raise on every rank
-        self.backend, self._point = self._agree(
+        self.backend, self.copy, self._point = self._agree(
             "Problem: checking its arguments",
             lambda: self._arguments(model, inputs, backend or os.environ.get(
-                "DISTOP_BACKEND", "lean")))
+                "DISTOP_BACKEND", "lean"), copy))
         self.input_names = tuple(self._point)
         self._layouts = {}
         self._fixed = {}
@@ -194,8 +193,9 @@ class Problem:
         if self._schedule is None:  # (or nothing to differentiate)
             self._schedule = self._program("run", (), layout).schedule
 
-    def _arguments(self, model, inputs, backend):
-        """**Returns:** (the backend, the point) after checking `Problem`'s arguments."""
+    def _arguments(self, model, inputs, backend, copy):
+        """**Returns:** (the backend, `copy` as a bool or None, the point) after checking
+        `Problem`'s arguments."""
         if not callable(model):
             raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
                             "a function called as model(**inputs) returning a dict.")
@@ -205,16 +205,16 @@ class Problem:
         if backend not in BACKENDS:
             raise ValueError(f"Problem(backend={backend!r}): expected one of "
                              f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
-        if not (self.copy is None or isinstance(self.copy, (bool, np.bool_))):
-            raise ValueError(f"Problem(copy={self.copy!r}): expected True, None or False.")
-        self.copy = None if self.copy is None else bool(self.copy)
-        point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value, self.copy)
+        if not (copy is None or isinstance(copy, (bool, np.bool_))):
+            raise ValueError(f"Problem(copy={copy!r}): expected True, None or False.")
+        copy = None if copy is None else bool(copy)
+        point = {name: _as_input(f"Problem(inputs={{'{name}': ...}})", value, copy)
                  for name, value in inputs.items()}
         for name in self.distributed & set(point):
             if point[name].ndim == 0:
                 raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is "
                                  "0-d; a distributed value needs an axis 0 to split.")
-        return backend, point
+        return backend, copy, point
 
     # -- public entry points --------------------------------------------------------
     @property
@@ -900,9 +900,8 @@ def _as_input(where, value, copy=True):
             host = np.asarray(value)
         except Exception as err:  # a deleted (or donated) array, say
             raise TypeError(f"{where}: could not read the JAX array: {err}") from err
-        if host.flags.c_contiguous and _numeric(host.dtype) and (
-                x64_enabled() or _narrowed(host.dtype) == host.dtype):  # (else refused below)
-            return host
+        if host.flags.c_contiguous and _numeric(host.dtype) and not _narrows(host.dtype):
+            return host  # (one JAX would narrow is refused below)
     if isinstance(value, np.ma.MaskedArray):  # (np.asarray would drop the mask)
         raise TypeError(f"{where}: got a masked array; pass an array of its values, "
                         "`a.filled(...)`, as JAX does.")
@@ -913,20 +912,19 @@ def _as_input(where, value, copy=True):
     if not _numeric(array.dtype):
         raise TypeError(f"{where}: got a {type(value).__name__} ({array.dtype}); expected a "
                         "numeric array or number.")
-    if not x64_enabled():
-        narrow = _narrowed(array.dtype)
-        if narrow.itemsize < array.dtype.itemsize:
-            if isinstance(value, (np.ndarray, np.generic, jax.Array)):  # the caller's dtype
-                raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode "
-                                f"and would silently make it {narrow}. Call "
-                                "jax.config.update('jax_enable_x64', True) first, or pass "
-                                f"{narrow}.")
-            # a Python number or list: made in 32 bits, as JAX makes it
-            narrowed = array.astype(narrow)
-            if narrow.kind in "iu" and (narrowed != array).any():
-                raise TypeError(f"{where}: {value!r} does not fit in {narrow}, JAX's "
-                                "integers in 32-bit mode.")
-            array = narrowed
+    narrow = _narrows(array.dtype)
+    if narrow is not None:
+        if isinstance(value, (np.ndarray, np.generic, jax.Array)):  # the caller's dtype
+            raise TypeError(f"{where}: a {array.dtype} input, but JAX is in 32-bit mode "
+                            f"and would silently make it {narrow}. Call "
+                            "jax.config.update('jax_enable_x64', True) first, or pass "
+                            f"{narrow}.")
+        # a Python number or list: made in 32 bits, as JAX makes it
+        narrowed = array.astype(narrow)
+        if narrow.kind in "iu" and (narrowed != array).any():
+            raise TypeError(f"{where}: {value!r} does not fit in {narrow}, JAX's "
+                            "integers in 32-bit mode.")
+        array = narrowed
     if copy is True or not isinstance(value, np.ndarray):
         return _aligned_copy(array)
     why = _copy_needed(array)
@@ -939,9 +937,13 @@ def _as_input(where, value, copy=True):
                      "pass copy=None to copy such arrays.")
 
 
-def _narrowed(dtype):
-    """**Returns:** the dtype JAX makes of `dtype` in its 32-bit mode."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+def _narrows(dtype):
+    """**Returns:** the narrower dtype JAX would make of `dtype` (in its 32-bit mode),
+    or None."""
+    if x64_enabled():
+        return None
+    narrow = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return narrow if narrow.itemsize < dtype.itemsize else None
 
 
 def _numeric(dtype):

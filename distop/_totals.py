@@ -205,13 +205,14 @@ def _say_precision(layout, of, wrt, form, step, rtol, say):
     step (one-sided) or step**2 (central) for the truncation, for values and derivatives
     of order one); the defaults (step 1e-6, rtol 1e-6) suit central differences in
     float64."""
-    dtypes = [layout.outputs[n].dtype for n in of] + [layout.inputs[n].dtype for n in wrt]
-    eps = max(float(jnp.finfo(d).eps) for d in dtypes)
+    epss = {str(d): float(jnp.finfo(d).eps) for d in
+            [layout.outputs[n].dtype for n in of] + [layout.inputs[n].dtype for n in wrt]}
+    eps = max(epss.values())
     order = 2 if form == "central" else 1
     error = eps / step + (step ** order if step < 1e100 else math.inf)
     if rtol < error:
         best_step = eps ** (1 / (order + 1))
-        coarse = sorted({str(d) for d in dtypes if float(jnp.finfo(d).eps) == eps})
+        coarse = sorted(d for d, e in epss.items() if e == eps)
         say(f"check_totals: with {'/'.join(coarse)} values, {form} differences at "
             f"step={step:g} have a relative error of about {error:.0e}, more than "
             f"rtol={rtol:g}; at best about {eps / best_step + best_step ** order:.0e}, "

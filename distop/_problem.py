@@ -359,8 +359,10 @@ class Problem:
         """Agree on a request for totals at `point` and check its arguments.
 
         **Returns:** (the `Layout`, the `of` names, the `wrt` names)."""
-        layout = self._layout(point, (method, repr(of), repr(wrt), mode, return_format),
-                              refused)
+        key = _totals.request_key
+        request = (method, key(of, names=True), key(wrt, names=True), key(mode),
+                   key(return_format))
+        layout = self._layout(point, request, refused)
         of = self._names(method, "of", of, self.output_names,
                          layout.differentiable["outputs"])
         wrt = self._names(method, "wrt", wrt, self.input_names,

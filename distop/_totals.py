@@ -130,17 +130,38 @@ def check_replicated(problem, values, where):
     raise DistopError("\n".join(lines))
 
 
+def request_key(value, names=False):
+    """An argument as the ranks compare it in a request: equal arguments give equal keys
+    on every rank (`1e-6` and `np.float64(1e-6)`; `"batched"` and `np.str_("batched")`;
+    with `names`, `"f"`, `["f"]` and `("f",)`), and every key can be hashed. The argument
+    itself is checked after the agreement, so that a bad one is an error on every rank."""
+    if isinstance(value, str):
+        return (str(value),) if names else str(value)
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        try:
+            return float(value)
+        except (OverflowError, ValueError, TypeError):
+            pass
+    elif names and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(map(str, value))
+    return repr(value)
+
+
 def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream,
                  raise_on_error, show_only_incorrect):
     """See `Problem.check_totals`."""
     comm, rank = problem.comm, problem.comm.Get_rank()
     point = problem._point
     # the arguments are checked once the ranks agree on them: an error on every rank
-    layout = problem._layout(point, ("check_totals", repr(of), repr(wrt), repr(method),
-                                     repr(form), repr(step), repr(atol), repr(rtol)))
+    key = request_key
+    layout = problem._layout(point, ("check_totals", key(of, names=True),
+                                     key(wrt, names=True), key(method), key(form), key(step),
+                                     key(atol), key(rtol)))
     if method != "fd":
         raise ValueError(f"check_totals(method={method!r}): only 'fd' is available.")
-    if form not in FORMS:
+    if not isinstance(form, str) or form not in FORMS:
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
     for name, value, least in (("step", step, 0), ("atol", atol, None), ("rtol", rtol, None)):
         if not (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))

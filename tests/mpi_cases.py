@@ -4,6 +4,7 @@ Many cases per launch: each launch pays JAX's start-up on every rank. Any failur
 aborts the whole job (so no rank waits forever) and the test sees a non-zero exit code.
 """
 
+import fractions
 import logging
 import sys
 
@@ -527,6 +528,33 @@ def options_differing_between_ranks_raise_everywhere():
             assert "different arguments" in str(err) and "rank 1: ('Problem'" in str(err), err
         else:
             raise AssertionError(f"no error for {options}")
+
+
+@case("core")
+def equal_arguments_of_different_types_agree():
+    # each rank spells the same request its own way: every rank runs it
+    a_local, a_global, x0, w = dm.setup(8, 1, comm)
+    op = dm.DistributedMatvec(a_local)
+    problem = distop.Problem(lambda x: {"f": w[0] @ op(x)}, {"x": x0})
+    names = ("f", ["f"], ("f",))[rank % 3]
+    J = problem.compute_totals(of=names, wrt=["x"] if rank else "x")["f", "x"]
+    np.testing.assert_allclose(J, w @ a_global, rtol=1e-12)
+    _, totals = problem.run_and_compute_totals(names, mode=np.str_("batched") if rank else
+                                               "batched")
+    np.testing.assert_allclose(totals["f", "x"], J)
+    step = (1e-6, np.float64(1e-6), fractions.Fraction(1, 10 ** 6))[rank % 3]
+    checks = problem.check_totals(names, step=step, rtol=1e-6 if rank else np.float64(1e-6),
+                                  atol=0 if rank else 0.0, out_stream=None)
+    assert all(c.ok for c in checks.values()), checks
+    for mode in (["batched"], ["batched"] if rank == 0 else "batched"):  # all, or rank 0
+        try:  # unhashable: an error on every rank, not a crash of the ranks that pass it
+            problem.compute_totals(mode=mode)
+        except ValueError as err:
+            assert isinstance(mode, list) and "mode=['batched']" in str(err), err
+        except distop.DistopError as err:
+            assert "with different arguments" in str(err), err
+        else:
+            raise AssertionError("no error")
 
 
 @case("core")

@@ -152,7 +152,11 @@ def private(comm):
             _keyval = mpi().Comm.Create_keyval()
         dup = comm.Get_attr(_keyval)
         if dup is None:
-            dup = comm.Dup()
+            from ._safety import watchdog
+
+            # (a rank that left before making a Problem leaves the others waiting here)
+            with watchdog.watch("Problem: duplicating the communicator for distop"):
+                dup = comm.Dup()
             comm.Set_attr(_keyval, dup)
             dup.Set_attr(_keyval, dup)  # a private duplicate of a duplicate is itself
             _wait_for_peers_at_exit(dup)

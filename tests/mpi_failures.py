@@ -75,6 +75,10 @@ def main(scenario):
         if comm.rank == BAD:  # before distop made anything: only `import distop` ran
             raise RuntimeError("no such input file")
         comm.Barrier()
+    elif scenario == "rank_exits_before_any_problem":
+        if comm.rank == BAD:
+            sys.exit(0)
+        distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x}).run()
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()

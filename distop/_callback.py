@@ -15,7 +15,7 @@ import traceback
 import numpy as np
 
 from . import _safety
-from ._errors import CollectiveMismatchError, OperatorError
+from ._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
@@ -420,7 +420,10 @@ class HostCall:
 
     def _fail(self, err):
         global _last_error
-        if not isinstance(err, (OperatorError, CollectiveMismatchError)):
+        if isinstance(err, MPIUnavailableError):  # (no MPI: a single process)
+            err = MPIUnavailableError(self._say(str(err)))
+            err.__cause__ = sys.exc_info()[1]
+        elif not isinstance(err, (OperatorError, CollectiveMismatchError)):
             # (a message that cannot be encoded, a lone surrogate in it, say, would fail
             # again where XLA takes it: shown escaped instead)
             text = f"raised {type(err).__name__}: {err}"

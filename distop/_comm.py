@@ -58,7 +58,9 @@ def start():
         finally:
             if not already:
                 mpi4py.rc.initialize, mpi4py.rc.finalize = initialize, finalize
-    except ImportError as err:  # mpi4py missing, or it found no libmpi
+    except (ImportError, RuntimeError) as err:
+        # mpi4py missing, or it found no MPI library (mpi4py 4 raises RuntimeError where it
+        # cannot load the one it chose, ImportError where it has none)
         _unavailable = err
         return None
     check = not _launch.skip()
@@ -86,7 +88,8 @@ def mpi():
     if module is not None and _unavailable is None:
         return module
     raise MPIUnavailableError(
-        f"this needs MPI, but mpi4py could not load an MPI library ({_unavailable}). "
+        "this needs MPI, but mpi4py could not load an MPI library "
+        f"({' '.join(str(_unavailable).split())}). "
         "Install one with `pip install 'distop[mpich]'` (the mpich wheel, which also "
         "brings mpiexec), or load your cluster's MPI (e.g. `module load mpi`) and "
         "reinstall mpi4py against it.")

@@ -8,7 +8,6 @@ import itertools
 import math
 import operator
 import os
-import sys
 import warnings
 import weakref
 
@@ -309,7 +308,7 @@ class Problem:
         return values, totals
 
     def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
-                     atol=1e-8, rtol=1e-6, out_stream=sys.stdout, raise_on_error=False,
+                     atol=1e-8, rtol=1e-6, out_stream=_totals.STDOUT, raise_on_error=False,
                      show_only_incorrect=False):
         """Compare `compute_totals` with finite differences, on every rank.
 
@@ -322,7 +321,8 @@ class Problem:
         - `form`: `"central"`, `"forward"` or `"backward"`.
         - `step`: the finite-difference step.
         - `atol`, `rtol`: the tolerances.
-        - `out_stream`: where rank 0 prints the table (None prints nothing).
+        - `out_stream`: where rank 0 prints the table: by default `sys.stdout` as it is
+          at the call (redirected or captured, say); None prints nothing.
         - `raise_on_error`: raise `DerivativeCheckError` on every rank if a block fails.
         - `show_only_incorrect`: print only failing blocks.
 

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import sys
 import time
 
 import jax.numpy as jnp
@@ -130,6 +131,17 @@ def check_replicated(problem, values, where):
     raise DistopError("\n".join(lines))
 
 
+class _Stdout:
+    """`check_totals`'s default stream: `sys.stdout` as it is when called, not as it was
+    at import (a redirection, or pytest's capture, replaces it)."""
+
+    def __repr__(self):
+        return "sys.stdout"
+
+
+STDOUT = _Stdout()
+
+
 def request_key(value, names=False):
     """An argument as the ranks compare it in a request: equal arguments give equal keys
     on every rank (`1e-6` and `np.float64(1e-6)`; `"batched"` and `np.str_("batched")`;
@@ -152,6 +164,8 @@ def request_key(value, names=False):
 def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream,
                  raise_on_error, show_only_incorrect):
     """See `Problem.check_totals`."""
+    if out_stream is STDOUT:
+        out_stream = sys.stdout
     comm, rank = problem.comm, problem.comm.Get_rank()
     point = problem._point
     # the arguments are checked once the ranks agree on them: an error on every rank

@@ -87,22 +87,34 @@ def test_import_under_a_mismatched_launcher_fails_clearly():
     assert "LauncherMismatchError" not in ok.stderr
 
 
-def test_without_an_mpi_library_single_process_use_works_and_says_what_to_install():
+@pytest.mark.parametrize("missing", [
+    {"code": "import sys; sys.modules['mpi4py.MPI'] = None\n"},  # (ImportError)
+    {"code": "", "MPI4PY_LIBMPI": "/nonexistent/libmpi.so.12"},  # (mpi4py: RuntimeError)
+], ids=["no-mpi4py", "no-libmpi"])
+def test_without_an_mpi_library_single_process_use_works_and_says_what_to_install(missing):
+    missing = dict(missing)
     proc = _python(
-        "import sys; sys.modules['mpi4py.MPI'] = None\n"
-        "import jax, numpy as np, jax.numpy as jnp, distop\n"
+        missing.pop("code")
+        + "import jax, numpy as np, jax.numpy as jnp, distop\n"
         "jax.config.update('jax_enable_x64', True)\n"
         "class Twice(distop.DistributedOperator):\n"
         "    def forward(self, comm, x): return 2 * x\n"
         "    def vjp(self, comm, g, x): return 2 * g\n"
         "p = distop.Problem(lambda x: {'y': Twice()(x)}, {'x': np.ones(2)})\n"
         "assert p.compute_totals()['y', 'x'].tolist() == [[2, 0], [0, 2]]\n"
-        "try:\n"
-        "    distop.AllreduceSum()(jnp.ones(2)).block_until_ready()\n"
-        "except Exception as err:\n"
-        "    print('ERROR', err)\n")
+        "q = distop.Problem(lambda x: {'s': distop.AllreduceSum()(x)}, {'x': np.ones(2)})\n"
+        "for call in (lambda: distop.AllreduceSum()(jnp.ones(2)).block_until_ready(),\n"
+        "             q.run):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except distop.MPIUnavailableError as err:\n"
+        "        print('ERROR', err)\n", **missing)
     assert proc.returncode == 0, proc.stderr
-    assert "ERROR" in proc.stdout and "pip install 'distop[mpich]'" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        assert "AllreduceSum.forward on rank 0" in line, line
+        assert "pip install 'distop[mpich]'" in line, line
 
 
 def test_configure_and_environment():

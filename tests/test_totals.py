@@ -1,7 +1,9 @@
 """Distributed variables, check_totals and built-in collectives in a single process
 (the same cases run under MPI from test_mpi.py)."""
 
+import contextlib
 import fractions
+import inspect
 import io
 
 import jax.numpy as jnp
@@ -35,6 +37,17 @@ def test_check_totals_options_and_table():
     assert problem.check_totals(out_stream=None, of="y", wrt="x")["y", "x"].J_fd.shape == (3, 3)
     with pytest.raises(ValueError, match="form='sideways'"):
         problem.check_totals(form="sideways")
+
+
+def test_check_totals_prints_to_stdout_as_it_is_when_called(capsys):
+    problem = distop.Problem(lambda x: {"z": jnp.sum(x ** 2)}, {"x": np.arange(3.0)})
+    problem.check_totals()
+    assert "|J_fd|" in capsys.readouterr().out  # pytest's capture, made after import
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        problem.check_totals()
+    assert "|J_fd|" in out.getvalue() and "|J_fd|" not in capsys.readouterr().out
+    assert "out_stream=sys.stdout" in str(inspect.signature(distop.Problem.check_totals))
 
 
 def test_check_totals_flags_a_wrong_vjp():

@@ -235,19 +235,18 @@ def _tails(shapes):
 
 
 def _mismatch(comm, name, entries):
-    every = comm.allgather([e.describe() for e in entries])
+    every = comm.allgather([(repr(_key(e)), e.describe()) for e in entries])
     lines = [f"{name}: the ranks compiled different collective schedules, so their "
              "collectives would meet the wrong partners."]
-    reference = every[0]
+    longest = max(len(mine) for mine in every)
+    # the first entry that differs between ranks (axis 0 aside), shown for every rank
+    first = next((i for i in range(longest)
+                  if len({mine[i][0] if i < len(mine) else None for mine in every}) > 1),
+                 longest)
     for rank, mine in enumerate(every):
-        diff = next((i for i in range(max(len(mine), len(reference)))
-                     if i >= len(mine) or i >= len(reference) or mine[i] != reference[i]),
-                    None)
-        if diff is None:
-            lines.append(f"  rank {rank}: {len(mine)} entries, same as rank 0")
-        else:
-            here = mine[diff] if diff < len(mine) else "(no entry: schedule ends)"
-            lines.append(f"  rank {rank}: {len(mine)} entries; entry {diff}: {here}")
+        here = (mine[first][1] if first < len(mine)
+                else f"(none: its schedule ends after {len(mine)} entries)")
+        lines.append(f"  rank {rank}: {len(mine)} entries; entry {first}: {here}")
     lines.append("Likely cause: model code that branches on the rank (a Python `if` on "
                  "comm.rank), or values whose shapes differ between ranks in an axis other "
                  "than axis 0 (only axis 0 may be distributed). Every rank must build the "

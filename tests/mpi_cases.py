@@ -495,8 +495,24 @@ def model_branching_on_rank_is_a_schedule_mismatch():
         distop.Problem(model, {"x": x0})
     except distop.ScheduleMismatchError as err:
         text = str(err)
-        assert f"rank {size - 1}:" in text and "DistributedMatvec.forward" in text, text
+        # every rank's own version of the first entry that differs: the second
+        lines = [line for line in text.splitlines() if line.startswith("  rank ")]
+        assert len(lines) == size, text
+        for r, line in enumerate(lines):
+            entries = 4 if r == size - 1 else 2
+            phase = "forward" if r == size - 1 else "vjp"
+            assert line.startswith(f"  rank {r}: {entries} entries; entry 1: "
+                                   f"DistributedMatvec.{phase} "), text
         assert "branches on the rank" in text, text
+    else:
+        raise AssertionError("no ScheduleMismatchError")
+    try:  # the last rank skips the operator: the others' entry is what it lacks
+        distop.Problem(lambda x: {"f": jnp.sum(x if rank == size - 1 else op(x))}, {"x": x0})
+    except distop.ScheduleMismatchError as err:
+        text = str(err)
+        assert "rank 0: 2 entries; entry 0: DistributedMatvec.forward " in text, text
+        assert (f"rank {size - 1}: 0 entries; entry 0: (none: its schedule ends after 0 "
+                "entries)") in text, text
     else:
         raise AssertionError("no ScheduleMismatchError")
 

@@ -777,7 +777,8 @@ class Problem:
         fn = jax.jit(packed)
         token = jax.ShapeDtypeStruct((), _ffi.token_dtype())
         traced = self._agree(f"{name}: tracing the program",
-                             lambda: fn.trace(token, layout.inputs, *specs))
+                             lambda: _schedule.refuse_checkpoint(
+                                 fn.trace(token, layout.inputs, *specs)))
         return fn, outputs, traced.jaxpr
 
     def _execute(self, program, point):

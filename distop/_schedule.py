@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 
 from ._callback import HostCall
-from ._errors import ScheduleMismatchError
+from ._errors import DistopError, ScheduleMismatchError
 from ._rewrite import FusedCall
 
 
@@ -96,6 +96,25 @@ def extract(closed_jaxpr, traced=None):
     return tuple(_entry(i, *row) for i, row in enumerate(rows))
 
 
+_CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, by version
+
+
+def refuse_checkpoint(traced):
+    """**Returns:** `traced` (from `jit(...).trace`), unless an operator is called inside
+    `jax.checkpoint`: in a reverse sweep JAX would call it again, collectives and all.
+
+    **Raises:** `DistopError` naming the operator."""
+    for entry in extract(traced.jaxpr):
+        if "checkpoint" in entry.context.replace(".", "/").split("/"):
+            raise DistopError(
+                f"{entry.operator}.{entry.phase} is called inside jax.checkpoint "
+                "(jax.remat): differentiating it, JAX would call the operator again in "
+                "the reverse sweep, and its collectives with it, where distop runs every "
+                "operator call once, in one order on every rank. Call the operator "
+                "outside jax.checkpoint (checkpoint the jax.numpy code around it).")
+    return traced
+
+
 def _with_unmade(found, traced):
     """The calls `found` in the program, as (call, context, group, made), with the
     `traced` lean calls the program does not make, in chain order, each before the next
@@ -129,6 +148,8 @@ def _walk(jaxpr, context, found, calls):
             inner = "while"
         elif name == "cond":
             inner = "cond"
+        elif name in _CHECKPOINTS:
+            inner = "checkpoint"
         else:
             inner = ""
         sub = f"{context}/{inner}" if context and inner else (inner or context)

@@ -160,6 +160,24 @@ def test_user_error_in_problem_is_raised_as_itself():
 
 
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
+@pytest.mark.parametrize("ordered", [None, True])
+def test_an_operator_inside_jax_checkpoint_is_refused(backend, ordered):
+    op = Cube(ordered=ordered)
+    with pytest.raises(distop.DistopError, match=r"Cube.forward is called inside "
+                                                 r"jax.checkpoint \(jax.remat\)"):
+        distop.Problem(lambda x: {"f": jnp.sum(jax.checkpoint(lambda x: jnp.sin(op(x)))(x))},
+                       {"x": np.ones(2)}, backend=backend)
+    nested = jax.checkpoint(lambda x: jax.lax.cond(True, op, lambda x: x, x))
+    with pytest.raises(distop.DistopError, match="inside jax.checkpoint"):
+        distop.Problem(lambda x: {"f": jnp.sum(nested(x))}, {"x": np.ones(2)}, backend=backend)
+    # jax.numpy code checkpointed around an operator is fine
+    problem = distop.Problem(lambda x: {"f": jnp.sum(jax.checkpoint(jnp.sin)(op(x)))},
+                             {"x": np.ones(2)}, backend=backend)
+    np.testing.assert_allclose(problem.compute_totals()["f", "x"],
+                               [3 * np.cos(1.0)] * 2 * np.ones((1, 2)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
 def test_user_error_after_calls_that_worked_is_raised_as_itself(backend):
     # from the third call on, JAX runs a program through its C++ dispatch, which
     # reports a host call's error differently

@@ -6,6 +6,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -160,9 +162,14 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     return proc.returncode, output
 
 
+# seconds: a case still running then has hung (each takes a few seconds)
+CASE_LIMIT = float(os.environ.get("DISTOP_TEST_CASE_LIMIT", 100))
+
+
 def run_cases(cases, comm=None):
     """Run `cases` (functions) in order on every rank, then print the success line. Any
-    failure prints the traceback and aborts the job, so no rank waits forever."""
+    failure prints the traceback and aborts the job, so no rank waits forever; so does a
+    case still running after `CASE_LIMIT` seconds, with where every rank stands."""
     import traceback
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -170,13 +177,32 @@ def run_cases(cases, comm=None):
     try:
         for fn in cases:
             name = fn.__name__
-            fn()
-            comm.Barrier()
+            timer = threading.Timer(CASE_LIMIT, _hung, (comm, name))
+            timer.daemon = True
+            timer.start()
+            try:
+                fn()
+                comm.Barrier()
+            finally:
+                timer.cancel()
     except BaseException:
         print(f"rank {comm.rank} of {comm.size}: FAILED in {name}\n"
               + traceback.format_exc(), flush=True)
         comm.Abort(1)
     finish(comm)
+
+
+def _hung(comm, name):
+    """A case's watchdog: print where this rank stands (every thread's stack), give the
+    other ranks' watchdogs a moment to print theirs, and abort the job."""
+    import faulthandler
+
+    print(f"rank {comm.rank} of {comm.size}: {name} still running after {CASE_LIMIT:g} s "
+          "(hung); where this rank stands:", flush=True)
+    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+    sys.stdout.flush()
+    time.sleep(3)
+    comm.Abort(1)
 
 
 def finish(comm=None):

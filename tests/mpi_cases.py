@@ -7,6 +7,7 @@ aborts the whole job (so no rank waits forever) and the test sees a non-zero exi
 import fractions
 import logging
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -821,6 +822,12 @@ def a_model_with_collectives_of_its_own_and_changing_block_sizes():
     finally:
         logging.getLogger("jax._src.callback").removeHandler(handler)
     assert not logged, [r.getMessage() for r in logged]  # no callback failed
+
+
+@case("hangs")
+def a_case_that_hangs():
+    # not a test of distop: the harness's own watchdog (tests/test_mpi.py runs it)
+    comm.Barrier() if rank == 0 else time.sleep(600)
 
 
 @case("core")

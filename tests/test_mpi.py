@@ -1,6 +1,7 @@
 """Multi-rank tests: each launch runs a group of cases from mpi_cases.py on 2 and 4 ranks."""
 
 import re
+import time
 
 import pytest
 
@@ -13,6 +14,17 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("group", ["core", "matvec"])
 def test_cases(group, nprocs):
     run_mpi(nprocs, TESTS / "mpi_cases.py", group, timeout=300)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_a_hung_case_ends_its_launch_with_where_every_rank_stands(nprocs):
+    started = time.monotonic()
+    code, out = run_mpi(nprocs, TESTS / "mpi_cases.py", "hangs", timeout=90,
+                        expect_ok=False, env={"DISTOP_TEST_CASE_LIMIT": "5"})
+    assert code != 0 and time.monotonic() - started < 60, out
+    for r in range(nprocs):
+        assert f"rank {r} of {nprocs}: a_case_that_hangs still running after 5 s" in out, out
+    assert "in a_case_that_hangs" in out, out  # (the stacks)
 
 
 def test_cases_on_the_io_callback_backend():

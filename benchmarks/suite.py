@@ -80,7 +80,7 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
 
 Sections 1, 3 and 5 run under each of `--ranks`, section 2 under `--chain-ranks`,
 section 4 under `--large-ranks` (each 1 2 4). `--quick`: 5 repeats, K 1 16, N 10 100,
-m 8 1e5, M 1e5, ranks 1 2 (about a minute). Other options: --sections,
+m 8 1e5, M 1e5, ranks 1 2 (chain and large: 2) (about a minute). Other options: --sections,
 --size M, --objectives K.., --ops N.., --messages m.., --timeout S (per job; 1800,
 quick 300).
 """

@@ -7,6 +7,7 @@ import threading
 
 from . import _launch
 from ._errors import LauncherMismatchError, MPIUnavailableError
+from ._safety import env_flag
 
 _keyval = None  # the MPI attribute key of private duplicates (see `private`)
 _lock = threading.Lock()
@@ -172,7 +173,7 @@ def _abort_on_uncaught_exception(comm):
     `import distop`). `DISTOP_ABORT_ON_EXCEPTION=0` keeps Python's own handling."""
     if comm.Get_size() == 1 or getattr(sys.excepthook, "_distop", False):
         return
-    if os.environ.get("DISTOP_ABORT_ON_EXCEPTION", "1") in ("", "0"):
+    if not env_flag("DISTOP_ABORT_ON_EXCEPTION", True):
         return
     previous = sys.excepthook
 

@@ -1,8 +1,8 @@
 """Shims over JAX versions: every one names what lets it go."""
 
-import os
-
 import jax
+
+from ._safety import env_flag
 
 # jax.errors.JaxRuntimeError is the public name of XLA's runtime error since jax 0.4.36;
 # older releases only expose jaxlib's XlaRuntimeError. Drop when the minimum passes 0.4.36.
@@ -61,7 +61,7 @@ def prefer_inline_execution():
     program with one host call and a small product, against 87 µs inline (the
     benchmark suite's `overhead` section).
     """
-    if os.environ.get("DISTOP_ASYNC_DISPATCH", "0") not in ("", "0"):
+    if env_flag("DISTOP_ASYNC_DISPATCH", False):
         return
     try:
         # No public name (jax 0.10.2): the option only acts when the CPU client is made.

@@ -8,7 +8,7 @@ rank a world of size 1, so N copies of a one-rank job run side by side. Set
 `DISTOP_SKIP_LAUNCH_CHECK=1` to skip the checks for unusual setups.
 """
 
-import os
+from ._safety import env_flag
 
 
 def _library_family(version):
@@ -81,4 +81,4 @@ def diagnose(env, library_version, world_size=None):
 
 def skip():
     """**Returns:** whether the user turned the checks off (DISTOP_SKIP_LAUNCH_CHECK)."""
-    return os.environ.get("DISTOP_SKIP_LAUNCH_CHECK", "0") not in ("", "0")
+    return env_flag("DISTOP_SKIP_LAUNCH_CHECK", False)

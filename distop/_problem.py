@@ -124,8 +124,12 @@ class Problem:
       `"io_callback"` (JAX's ordered `io_callback`). Default from `DISTOP_BACKEND`.
     - `fuse`: on the lean path, run operator calls that are independent of each other
       and next to each other in the schedule in ONE host call, one after another in
-      schedule order (same results, same collectives in the same order, fewer
-      dispatches; `schedule` shows the groups). Default True, or `DISTOP_FUSE=0`.
+      schedule order (same results bit for bit, the same calls and collectives in
+      the same order, fewer dispatches; `schedule` shows the groups). Under MPI a
+      fused group of derivative calls whose zero (co)tangent rows are found only when
+      the program runs agrees on them once and skips them, so its methods may get
+      fewer rows than unfused calls (which do not skip rows under MPI: one collective
+      per call would cost more than it saves). Default True, or `DISTOP_FUSE=0`.
     - `copy`: whether distop copies numpy array inputs, here and in `run` and
       `run_and_compute_totals`, with numpy's meanings. True (default): it keeps its own
       copy of each, so changing the caller's array later changes nothing here. None: an
@@ -153,8 +157,7 @@ class Problem:
                                      else distributed)
         self.check_replicated = check_replicated
         self._x64 = x64_enabled()  # the precision its programs are traced in
-        self.fuse = (os.environ.get("DISTOP_FUSE", "1") not in ("0", "false", "no")
-                     if fuse is None else bool(fuse))
+        self.fuse = _safety.env_flag("DISTOP_FUSE", True) if fuse is None else bool(fuse)
         # arguments refused on some ranks raise on every rank
         self.backend, self.copy, self._point = self._agree(
             "Problem: checking its arguments",

@@ -6,7 +6,8 @@ Two neighbours on the chain are independent when the later one reads nothing the
 one computed (other than the token). A run of such neighbours is replaced by one
 `FusedCall`, which runs its members one after another, in chain order, in one host call:
 the same user methods, the same collectives in the same order, one dispatch instead of
-many. The rest of the program is reordered around the fused call (a topological order
+many (under MPI, a fused group may also skip the (co)tangent rows that are zero on every
+rank: `FusedCall._agree_rows`). The rest of the program is reordered around the fused call (a topological order
 that keeps the original order wherever it can), and the result is again one chain.
 
 **Segments.** XLA's CPU runtime orders a program's operations by comparing each one with

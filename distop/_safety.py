@@ -28,12 +28,38 @@ VARIABLE = frozenset("Allgatherv Alltoallv Alltoallw Gatherv Scatterv allgather 
                      "scatter alltoall bcast reduce allreduce scan exscan".split())
 
 
+def env_flag(name, default):
+    """**Returns:** the yes/no setting in environment variable `name`: 1, true, yes, on
+    (or any other nonzero integer) or 0, false, no, off, in any case; `default` where it
+    is unset or empty.
+
+    **Raises:** ValueError naming the variable, for any other value."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("true", "yes", "on") or value.lstrip("+-").isdigit() and int(value):
+        return True
+    if value in ("false", "no", "off") or value.lstrip("+-").isdigit():
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on, or 0, "
+                     "false, no or off.")
+
+
+def _seconds(name, default):
+    value = os.environ.get(name, "").strip()
+    try:
+        return float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected a number of seconds "
+                         "(0 turns it off).") from None
+
+
 @dataclasses.dataclass
 class Settings:
     """distop's run-time settings (see the module docstring)."""
 
-    check_collectives: bool = os.environ.get("DISTOP_CHECK_COLLECTIVES", "0") not in ("", "0")
-    watchdog: float = float(os.environ.get("DISTOP_WATCHDOG", "600"))
+    check_collectives: bool = env_flag("DISTOP_CHECK_COLLECTIVES", False)
+    watchdog: float = _seconds("DISTOP_WATCHDOG", 600.0)
 
 
 settings = Settings()

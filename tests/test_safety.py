@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import distop
+from distop import _safety
 from distop._launch import diagnose
 from helpers import ROOT, TESTS, run_mpi
 
@@ -128,6 +129,29 @@ def test_configure_and_environment():
                    "print(s.check_collectives, s.watchdog)",
                    DISTOP_CHECK_COLLECTIVES="1", DISTOP_WATCHDOG="42")
     assert proc.stdout.split() == ["True", "42.0"], proc.stderr
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("TRUE", True), ("yes", True), ("On", True), ("2", True),
+    ("0", False), ("false", False), ("No", False), ("OFF", False), ("", None),
+])
+def test_yes_no_variables_take_the_usual_spellings(value, expected, monkeypatch):
+    monkeypatch.setenv("DISTOP_FUSE", value)
+    assert _safety.env_flag("DISTOP_FUSE", None) is expected
+    if expected is not None:
+        problem = distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": np.ones(2)})
+        assert problem.fuse is expected
+
+
+def test_a_setting_that_cannot_be_read_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("DISTOP_FUSE", "maybe")
+    with pytest.raises(ValueError, match="DISTOP_FUSE='maybe': expected 1, true"):
+        distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": np.ones(2)})
+    proc = _python("import distop", DISTOP_WATCHDOG="ten")
+    assert proc.returncode != 0
+    assert "DISTOP_WATCHDOG='ten': expected a number of seconds" in proc.stderr, proc.stderr
+    proc = _python("import distop", DISTOP_CHECK_COLLECTIVES="sometimes")
+    assert proc.returncode != 0 and "DISTOP_CHECK_COLLECTIVES='sometimes'" in proc.stderr
 
 
 class Seen(distop.DistributedOperator):

@@ -141,7 +141,9 @@ class Problem:
       immutable), and other values (numbers, lists) always converted.
 
     Attributes: `schedule` (the operator calls of the `compute_totals` program, in
-    program order: forward, then vjp; only forward if an operator has no `vjp`),
+    program order: forward, then vjp; the `run` program's, only forward, where there
+    is no compute_totals program: an operator has no `vjp`, or JAX cannot differentiate
+    the model),
     `input_names`, `output_names`, `distributed`.
     """
 
@@ -189,8 +191,10 @@ class Problem:
                                        layout.differentiable["inputs"]),
                     layout).schedule
             # the model can still run: an operator without vjp, a model that itself
-            # differentiates an operator (compute_totals raises the error when called)
-            except (MissingMethodError, SecondDerivativeError):
+            # differentiates an operator, or JAX cannot differentiate it (a while_loop,
+            # say): compute_totals raises the error when called
+            except (MissingMethodError, SecondDerivativeError, ValueError, TypeError,
+                    NotImplementedError):
                 pass
         if self._schedule is None:  # (or nothing to differentiate)
             self._schedule = self._program("run", (), layout).schedule

@@ -1,6 +1,11 @@
-"""The README's commands are what CI runs, and the package says its version."""
+"""The README's commands are what CI runs, its code runs, and the package says its
+version."""
 
 import importlib.metadata
+import re
+
+import jax.numpy as jnp
+import numpy as np
 
 import distop
 from helpers import ROOT
@@ -18,3 +23,18 @@ def test_ci_runs_the_readme_test_command():
 
 def test_version():
     assert distop.__version__ == importlib.metadata.version("distop")
+
+
+def test_the_readme_code_runs_as_written():
+    readme = (ROOT / "README.md").read_text()
+    operator, usage = re.findall(r"```python\n(.*?)```", readme, re.S)[:2]
+    scope = {}
+    exec(operator, scope)  # noqa: S102 - the README's own code
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((3, 4))
+    w, x0, x1, x2 = rng.standard_normal(3), np.ones(4), np.arange(4.0), np.full(4, 0.5)
+    scope.update(op=scope["DistributedMatvec"](A), w=w, x0=x0, x1=x1, x2=x2, jnp=jnp)
+    exec(usage, scope)  # noqa: S102
+    np.testing.assert_allclose(scope["values"]["f"], w @ A @ x2, rtol=1e-12)
+    np.testing.assert_allclose(scope["totals"]["f", "x"], (w @ A)[None], rtol=1e-12)
+    assert [e.phase for e in scope["problem"].schedule] == ["forward", "vjp"]

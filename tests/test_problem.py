@@ -159,6 +159,18 @@ def test_user_error_in_problem_is_raised_as_itself():
         problem.run()
 
 
+def test_a_model_jax_cannot_differentiate_still_runs():
+    def model(x):  # reverse mode refuses a while_loop
+        y = jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0]
+        return {"f": jnp.sum(Cube()(y))}
+
+    problem = distop.Problem(model, {"x": np.ones(2)})
+    assert problem.run()["f"] == 2 * 8.0 ** 3
+    assert [e.phase for e in problem.schedule] == ["forward"]  # (the run program's)
+    with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+        problem.compute_totals()
+
+
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
 @pytest.mark.parametrize("ordered", [None, True])
 def test_an_operator_inside_jax_checkpoint_is_refused(backend, ordered):

@@ -7,8 +7,9 @@ one computed (other than the token). A run of such neighbours is replaced by one
 `FusedCall`, which runs its members one after another, in chain order, in one host call:
 the same user methods, the same collectives in the same order, one dispatch instead of
 many (under MPI, a fused group may also skip the (co)tangent rows that are zero on every
-rank: `FusedCall._agree_rows`). The rest of the program is reordered around the fused call (a topological order
-that keeps the original order wherever it can), and the result is again one chain.
+rank: `FusedCall._agree_rows`). The rest of the program is reordered around the fused
+call (a topological order that keeps the original order wherever it can), and the
+result is again one chain.
 
 **Segments.** XLA's CPU runtime orders a program's operations by comparing each one with
 every earlier one when it builds the executable, so a flat program of thousands of host

@@ -55,7 +55,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    forward and vjp), f = w . y: one chain (`chain`: y = op(y), N times), or 40
    independent chains of N/40 calls (N >= 40), written chain after chain (`groups`) or
    one step of every chain after another (`layers`; fusion joins neighbouring calls, so
-   the order they are written in matters); distop lean fused, and io_cb up to N =
+   the order they are written in matters), or one chain with each result negated
+   (`negated`: y = -op(y), an XLA operation between the calls, so none fuse: N host
+   calls forward and N in reverse); distop lean fused, and io_cb up to N =
    --chain-io-cb (100). `/op`: per call divided by N (µs), flat where the cost grows
    linearly. `R`: repeats, `--repeat` up to N=100, then fewer (at least 3).
 3. `message`: one `distop.AllreduceSum` of m doubles (`distop`: `run`) against the
@@ -343,10 +345,11 @@ def matvec_section(bench):
             "forward": forward_case(bench, counts) if counts else None}
 
 
-def chain_model(op, w, depths, by_layer=False):
+def chain_model(op, w, depths, by_layer=False, between=None):
     """f = sum over chains of w . y, where a chain of depth d is y = op(y), d times, from
     y = x: one chain, or several independent ones written chain after chain or, if
-    `by_layer`, one step of every chain after another.
+    `by_layer`, one step of every chain after another; with `between`, y =
+    between(op(y)) (an XLA operation between the calls: no two of them fuse).
 
     **Returns:** the model.
     """
@@ -358,16 +361,17 @@ def chain_model(op, w, depths, by_layer=False):
     def model(x):
         ys = [x] * len(depths)
         for j in order:
-            ys[j] = op(ys[j])
+            ys[j] = op(ys[j]) if between is None else between(op(ys[j]))
         return {"f": sum(jnp.dot(w, y) for y in ys)}
     return model
 
 
-def chain_error(problem, x0, w, depths):
+def chain_error(problem, x0, w, depths, sign=1.0):
     """The max relative error of f and its gradient: the operator shifts y by one
-    place (a cyclic permutation, the sum of every rank's share), so both are exact."""
-    exact_f = sum(w @ np.roll(x0, d) for d in depths)
-    exact_g = sum(np.roll(w, -d) for d in depths)
+    place (a cyclic permutation, the sum of every rank's share), so both are exact;
+    `sign`: -1 where each call's result is negated (`chain_model`'s `between`)."""
+    exact_f = sum(sign ** d * w @ np.roll(x0, d) for d in depths)
+    exact_g = sum(sign ** d * np.roll(w, -d) for d in depths)
     f = problem.run(x=x0)["f"]
     g = problem.compute_totals()["f", "x"].ravel()
     return max(abs(f - exact_f) / abs(exact_f),
@@ -389,15 +393,18 @@ def chain_case(bench, n):
     # N calls in GROUPS chains whose depths differ by at most one
     groups = [n // GROUPS + (j < n % GROUPS) for j in range(GROUPS)]
     models = {"lean chain": ([n], False, "lean"), "lean groups": (groups, False, "lean"),
-              "lean layers": (groups, True, "lean"), "io_cb chain": ([n], False, "io_callback"),
+              "lean layers": (groups, True, "lean"), "lean negated": ([n], False, "lean"),
+              "io_cb chain": ([n], False, "io_callback"),
               "io_cb groups": (groups, False, "io_callback")}
     problems, first, errors = {}, {}, {}
     for key, (depths, by_layer, backend) in models.items():
         if len(depths) > 1 and n < GROUPS or "io_cb" in key and n > bench.args.chain_io_cb:
             continue
+        between = jnp.negative if "negated" in key else None
         problems[key], first[key] = bench.first_calls(
-            chain_model(op, w, depths, by_layer), {"x": x0}, backend=backend)
-        errors[key] = bench.max(chain_error(problems[key], x0, w, depths))
+            chain_model(op, w, depths, by_layer, between), {"x": x0}, backend=backend)
+        errors[key] = bench.max(chain_error(problems[key], x0, w, depths,
+                                            -1.0 if between else 1.0))
     repeat = chain_repeat(bench, n)
     median = bench.interleaved({key: (p.run, p.compute_totals) for key, p in problems.items()},
                                repeat)
@@ -694,8 +701,9 @@ def chain_tables(results, args):
                              fmt(tot / n, "us"), str(row["calls"][key]),
                              fmt(row["error"][key], "e")])
     print_table(f"N operator calls: one chain, or {GROUPS} independent chains of N/{GROUPS} "
-                "written chain after chain (groups) or step by step (layers); median of R "
-                "interleaved calls", header, rows)
+                "written chain after chain (groups) or step by step (layers), or one chain "
+                "y = -op(y) (negated: no call fuses); median of R interleaved calls",
+                header, rows)
 
 
 def message_tables(results, args):

@@ -56,8 +56,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    independent chains of N/40 calls (N >= 40), written chain after chain (`groups`) or
    one step of every chain after another (`layers`; fusion joins neighbouring calls, so
    the order they are written in matters), or one chain with each result negated
-   (`negated`: y = -op(y), an XLA operation between the calls, so none fuse: N host
-   calls forward and N in reverse); distop lean fused, and io_cb up to N =
+   (`negated`: y = -op(y), an XLA operation between the calls, so none fuse: about 2N
+   host calls per `compute_totals`, the `calls` column); distop lean fused, and io_cb
+   up to N =
    --chain-io-cb (100). `/op`: per call divided by N (µs), flat where the cost grows
    linearly. `R`: repeats, `--repeat` up to N=100, then fewer (at least 3).
 3. `message`: one `distop.AllreduceSum` of m doubles (`distop`: `run`) against the

@@ -7,7 +7,7 @@ import threading
 
 from . import _launch
 from ._errors import LauncherMismatchError, MPIUnavailableError
-from ._safety import env_flag
+from ._safety import env_flag, settings, watchdog
 
 _keyval = None  # the MPI attribute key of private duplicates (see `private`)
 _lock = threading.Lock()
@@ -62,6 +62,13 @@ def start():
     except (ImportError, RuntimeError) as err:
         # mpi4py missing, or it found no MPI library (mpi4py 4 raises RuntimeError where it
         # cannot load the one it chose, ImportError where it has none)
+        launcher, started = _launch._launcher(os.environ)
+        if started is not None and started > 1 and not _launch.skip():
+            raise MPIUnavailableError(
+                f"this process is one of {started} started by {launcher}, but mpi4py could "
+                f"not load an MPI library ({_one_line(err)}): each would run alone, as "
+                f"a one-rank job. {_INSTALL} (DISTOP_SKIP_LAUNCH_CHECK=1 skips this "
+                "check.)") from err
         _unavailable = err
         return None
     check = not _launch.skip()
@@ -88,12 +95,17 @@ def mpi():
     module = sys.modules.get("mpi4py.MPI")
     if module is not None and _unavailable is None:
         return module
-    raise MPIUnavailableError(
-        "this needs MPI, but mpi4py could not load an MPI library "
-        f"({' '.join(str(_unavailable).split())}). "
-        "Install one with `pip install 'distop[mpich]'` (the mpich wheel, which also "
-        "brings mpiexec), or load your cluster's MPI (e.g. `module load mpi`) and "
-        "reinstall mpi4py against it.")
+    raise MPIUnavailableError("this needs MPI, but mpi4py could not load an MPI library "
+                              f"({_one_line(_unavailable)}). {_INSTALL}")
+
+
+_INSTALL = ("Install one with `pip install 'distop[mpich]'` (the mpich wheel, which also "
+            "brings mpiexec), or load your cluster's MPI (e.g. `module load mpi`) and "
+            "reinstall mpi4py against it.")
+
+
+def _one_line(err):
+    return " ".join(str(err).split())
 
 
 class SingleProcess:
@@ -156,8 +168,6 @@ def private(comm):
             _keyval = mpi().Comm.Create_keyval()
         dup = comm.Get_attr(_keyval)
         if dup is None:
-            from ._safety import watchdog
-
             # (a rank that left before making a Problem leaves the others waiting here)
             with watchdog.watch("Problem: duplicating the communicator for distop"):
                 dup = comm.Dup()
@@ -201,8 +211,6 @@ def _wait_for_peers_at_exit(comm):
         return
     import atexit
     import time
-
-    from ._safety import settings
 
     _exit_comm = comm.Dup()
 

@@ -124,12 +124,13 @@ class Problem:
       `"io_callback"` (JAX's ordered `io_callback`). Default from `DISTOP_BACKEND`.
     - `fuse`: on the lean path, run operator calls that are independent of each other
       and next to each other in the schedule in ONE host call, one after another in
-      schedule order (same results bit for bit, the same calls and collectives in
-      the same order, fewer dispatches; `schedule` shows the groups). Under MPI a
-      fused group of derivative calls whose zero (co)tangent rows are found only when
-      the program runs agrees on them once and skips them, so its methods may get
-      fewer rows than unfused calls (which do not skip rows under MPI: one collective
-      per call would cost more than it saves). Default True, or `DISTOP_FUSE=0`.
+      schedule order (the same calls and collectives in the same order, the same
+      results, fewer dispatches; `schedule` shows the groups). Under MPI a fused
+      group of derivative calls of communicating operators whose zero (co)tangent rows
+      are found only when the program runs agrees on them with one collective of its
+      own and skips them, so its methods may get fewer rows than unfused (which then
+      get every row: one collective per call would cost more than it saves), with the
+      same results to round-off. Default True, or `DISTOP_FUSE=0`.
     - `copy`: whether distop copies numpy array inputs, here and in `run` and
       `run_and_compute_totals`, with numpy's meanings. True (default): it keeps its own
       copy of each, so changing the caller's array later changes nothing here. None: an
@@ -190,14 +191,31 @@ class Problem:
                     "compute_totals", ("batched", layout.differentiable["outputs"],
                                        layout.differentiable["inputs"]),
                     layout).schedule
-            # the model can still run: an operator without vjp, a model that itself
-            # differentiates an operator, or JAX cannot differentiate it (a while_loop,
-            # say): compute_totals raises the error when called
-            except (MissingMethodError, SecondDerivativeError, ValueError, TypeError,
-                    NotImplementedError):
-                pass
+            except Exception as err:  # noqa: BLE001 - left for later or raised, on every rank
+                if not self._totals_later(err):
+                    raise
         if self._schedule is None:  # (or nothing to differentiate)
             self._schedule = self._program("run", (), layout).schedule
+
+    def _totals_later(self, err):
+        """Whether the constructor goes on without the `compute_totals` program that
+        failed with `err`: the model can still run where an operator has no vjp, the
+        model itself differentiates an operator, or JAX cannot differentiate it (a
+        while_loop, say); `compute_totals` raises the error when called. The ranks decide
+        together: where the program failed on some ranks only, the others hold a
+        `DistopError` saying so."""
+        if isinstance(err, (MissingMethodError, SecondDerivativeError)) or type(err) in (
+                ValueError, TypeError, NotImplementedError):
+            mine = "later"
+        elif type(err) is DistopError and "failed on other ranks" in str(err):
+            mine = "others"
+        else:
+            mine = "raise"
+        every = [mine]
+        if self.comm.Get_size() > 1:
+            with _safety.watchdog.watch("Problem: agreeing on a failed compute_totals"):
+                every = self.comm.allgather(mine)
+        return "later" in every and "raise" not in every
 
     def _arguments(self, model, inputs, backend, copy):
         """**Returns:** (the backend, `copy` as a bool or None, the point) after checking
@@ -225,7 +243,8 @@ class Problem:
     # -- public entry points --------------------------------------------------------
     @property
     def schedule(self):
-        """The operator calls of the default `compute_totals` program, in program order.
+        """The operator calls of the default `compute_totals` program, in program order
+        (of the `run` program where there is none: see the class docstring).
 
         Local: reading it never communicates, so any subset of ranks may do so.
         """
@@ -864,7 +883,8 @@ class Problem:
     def _names(self, method, arg, names, known, differentiable):
         if names is None:
             return differentiable
-        names = [names] if isinstance(names, str) else list(names)
+        names = ([names] if isinstance(names, str) else sorted(names)
+                 if isinstance(names, (set, frozenset)) else list(names))
         kind = "output" if arg == "of" else "input"
         for n in names:
             if n not in known:

@@ -37,10 +37,14 @@ def env_flag(name, default):
     value = os.environ.get(name, "").strip().lower()
     if not value:
         return default
-    if value in ("true", "yes", "on") or value.lstrip("+-").isdigit() and int(value):
+    if value in ("true", "yes", "on"):
         return True
-    if value in ("false", "no", "off") or value.lstrip("+-").isdigit():
+    if value in ("false", "no", "off"):
         return False
+    try:
+        return int(value) != 0
+    except ValueError:
+        pass
     raise ValueError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on, or 0, "
                      "false, no or off.")
 

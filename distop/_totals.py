@@ -156,8 +156,11 @@ def request_key(value, names=False):
             return float(value)
         except (OverflowError, ValueError, TypeError):
             pass
-    elif names and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return tuple(map(str, value))
+    elif names and isinstance(value, (list, tuple, set, frozenset)) and all(
+            isinstance(v, str) for v in value):
+        # (a set's order differs between processes: Python salts string hashes)
+        ordered = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return tuple(map(str, ordered))
     return repr(value)
 
 

@@ -548,6 +548,27 @@ def options_differing_between_ranks_raise_everywhere():
 
 
 @case("core")
+def a_model_only_some_ranks_cannot_differentiate_runs_everywhere():
+    def model(x):
+        if rank == size - 1:  # reverse mode refuses a while_loop: on this rank only
+            y = lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0]
+        else:
+            y = x * 8.0
+        return {"f": distop.AllreduceSum()(jnp.sum(y))}
+
+    problem = distop.Problem(model, {"x": np.ones(2)})  # made on every rank
+    assert problem.run()["f"] == 16.0 * size
+    try:
+        problem.compute_totals()
+    except distop.DistopError as err:
+        assert rank != size - 1 and "failed on other ranks" in str(err), err
+    except ValueError as err:
+        assert rank == size - 1 and "Reverse-mode" in str(err), err
+    else:
+        raise AssertionError("no error")
+
+
+@case("core")
 def equal_arguments_of_different_types_agree():
     # each rank spells the same request its own way: every rank runs it
     a_local, a_global, x0, w = dm.setup(8, 1, comm)

@@ -1,6 +1,7 @@
 """Failures end loudly on every rank, never in a hang; launcher guardrails; checking mode."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -118,6 +119,15 @@ def test_without_an_mpi_library_single_process_use_works_and_says_what_to_instal
         assert "pip install 'distop[mpich]'" in line, line
 
 
+def test_without_an_mpi_library_under_a_launcher_import_fails_clearly():
+    # each of the launched processes would run alone: refused, as a launcher mismatch is
+    proc = _python("import distop", MPI4PY_LIBMPI="/nonexistent/libmpi.so.12",
+                   PMI_SIZE="2", PMI_RANK="1")
+    assert proc.returncode != 0
+    assert "MPIUnavailableError: this process is one of 2 started by" in proc.stderr
+    assert "pip install 'distop[mpich]'" in proc.stderr
+
+
 def test_configure_and_environment():
     before = distop.configure()
     try:
@@ -133,7 +143,8 @@ def test_configure_and_environment():
 
 @pytest.mark.parametrize("value, expected", [
     ("1", True), ("TRUE", True), ("yes", True), ("On", True), ("2", True),
-    ("0", False), ("false", False), ("No", False), ("OFF", False), ("", None),
+    ("0", False), ("false", False), ("No", False), ("OFF", False), ("-0", False),
+    ("", None),
 ])
 def test_yes_no_variables_take_the_usual_spellings(value, expected, monkeypatch):
     monkeypatch.setenv("DISTOP_FUSE", value)
@@ -144,9 +155,10 @@ def test_yes_no_variables_take_the_usual_spellings(value, expected, monkeypatch)
 
 
 def test_a_setting_that_cannot_be_read_is_an_error_naming_it(monkeypatch):
-    monkeypatch.setenv("DISTOP_FUSE", "maybe")
-    with pytest.raises(ValueError, match="DISTOP_FUSE='maybe': expected 1, true"):
-        distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": np.ones(2)})
+    for value in ("maybe", "+-1", "²"):
+        monkeypatch.setenv("DISTOP_FUSE", value)
+        with pytest.raises(ValueError, match=re.escape(f"DISTOP_FUSE='{value}': expected 1")):
+            distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": np.ones(2)})
     proc = _python("import distop", DISTOP_WATCHDOG="ten")
     assert proc.returncode != 0
     assert "DISTOP_WATCHDOG='ten': expected a number of seconds" in proc.stderr, proc.stderr

@@ -191,7 +191,7 @@ class Problem:
                     "compute_totals", ("batched", layout.differentiable["outputs"],
                                        layout.differentiable["inputs"]),
                     layout).schedule
-            except Exception as err:  # noqa: BLE001 - left for later or raised, on every rank
+            except Exception as err:  # left for later or raised, on every rank
                 if not self._totals_later(err):
                     raise
         if self._schedule is None:  # (or nothing to differentiate)

@@ -142,12 +142,16 @@ class Watchdog:
         from ._comm import abort, world
 
         comm = world()
+        # (the checking mode names a rank whose schedule differs only while that rank
+        # still takes part in the checks: not one that left, or that waits elsewhere)
+        hint = ("the checking mode is on, and that rank answers no check" if
+                settings.check_collectives else "DISTOP_CHECK_COLLECTIVES=1 names it")
         abort(comm, "".join(
             f"distop watchdog: rank {comm.Get_rank()} of {comm.Get_size()} has waited "
             f"{waited:.0f} s in {where} (limit DISTOP_WATCHDOG={settings.watchdog:g} s). "
             "Another rank is elsewhere: it failed, exited, or runs a different "
-            "schedule (rank-dependent control flow; DISTOP_CHECK_COLLECTIVES=1 names "
-            "it). Aborting the job.\n" for where, waited in stuck))
+            f"schedule (rank-dependent control flow; {hint}). Aborting the job.\n"
+            for where, waited in stuck))
 
 
 class _Watch:

@@ -26,6 +26,7 @@ SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the
     ("rank_skips_operator", False, "of {n} has waited"),
     ("rank_skips_operator", True, "Rank {bad} is running step #1: end of program"),
     ("rank_exits_early", False, "of {n} has waited"),
+    ("rank_exits_early", True, "the checking mode is on, and that rank answers no check"),
     ("undeclared_collective", True, "issued ['Barrier'], not declared"),
     ("raises_before_any_problem", False, "uncaught RuntimeError on rank {bad}; aborting all"),
     ("rank_exits_before_any_problem", False, "s in Problem: duplicating the communicator"),

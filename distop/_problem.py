@@ -207,7 +207,7 @@ class Problem:
         if isinstance(err, (MissingMethodError, SecondDerivativeError)) or type(err) in (
                 ValueError, TypeError, NotImplementedError):
             mine = "later"
-        elif type(err) is DistopError and "failed on other ranks" in str(err):
+        elif getattr(err, "elsewhere", False):
             mine = "others"
         else:
             mine = "raise"
@@ -873,8 +873,10 @@ class Problem:
             with _safety.watchdog.watch(f"Problem: {what}"):
                 every = self.comm.allgather(mine)
             if any(m for m, _ in every) and error is None:
-                raise DistopError(f"{what} failed on other ranks:\n" + "\n".join(
+                failed = DistopError(f"{what} failed on other ranks:\n" + "\n".join(
                     f"  rank {r}: {m}" for r, (m, _) in enumerate(every) if m))
+                failed.elsewhere = True  # (this rank's step itself went well)
+                raise failed
         if error is not None:
             raise error
         return result if share is None else (result, [shared for _, shared in every])

@@ -104,10 +104,12 @@ def refuse_checkpoint(traced):
     `jax.checkpoint`: in a reverse sweep JAX would call it again, collectives and all.
 
     **Raises:** `DistopError` naming the operator."""
-    for entry in extract(traced.jaxpr):
-        if "checkpoint" in entry.context.replace(".", "/").split("/"):
+    found = []  # (call, context, group), as `extract` finds them
+    _walk(traced.jaxpr, "", found, [0])
+    for call, context, _ in found:
+        if "checkpoint" in context.replace(".", "/").split("/"):
             raise DistopError(
-                f"{entry.operator}.{entry.phase} is called inside jax.checkpoint "
+                f"{type(call.op).__name__}.{call.phase} is called inside jax.checkpoint "
                 "(jax.remat): differentiating it, JAX would call the operator again in "
                 "the reverse sweep, and its collectives with it, where distop runs every "
                 "operator call once, in one order on every rank. Call the operator "

@@ -779,11 +779,15 @@ class Problem:
                 closed, changed = fused, True
         if not _ffi.chained(closed):
             raise DistopError("the rewritten program is not one chain")
-        run = _rewrite.segmented(closed)
-        if run is None and not changed:
+        loops = _rewrite.rolled(closed)
+        program = closed if loops is None else loops[0]
+        run = _rewrite.segmented(program)
+        if run is None and not changed and loops is None:
             return found
-        run = run or jaxpr_as_fun(closed)
+        run = run or jaxpr_as_fun(program)
         fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
+        if loops is not None:  # the loops' call sites live as long as the program
+            weakref.finalize(fn, _ffi.release, loops[1])
         fn.trace(jax.ShapeDtypeStruct((), _ffi.token_dtype()), layout.inputs, *specs)
         return fn, found[1], closed
 

@@ -903,10 +903,11 @@ def lean_calls(jaxpr):
     return tuple(eqn.params["call"] for eqn in jaxpr.eqns if _lean(eqn))
 
 
-def segmented(closed_jaxpr, size=SEGMENT):
+def segmented(closed_jaxpr, size=None):
     """A function evaluating `closed_jaxpr` (flat arguments, flat results) with its chain
-    cut into segments of `size` host calls, each the taken branch of a conditional; None
-    if the chain has at most `size` calls."""
+    cut into segments of `size` (default `SEGMENT`) host calls, each the taken branch of
+    a conditional; None if the chain has at most `size` calls."""
+    size = size or SEGMENT
     jaxpr = closed_jaxpr.jaxpr
     eqns = jaxpr.eqns
     bounds, calls = [0], 0
@@ -971,3 +972,307 @@ def _not_taken(outputs, token_out):
         return [jnp.full(v.aval.shape, jnp.nan if v is token_out else 0, v.aval.dtype)
                 for v in outputs]
     return branch
+
+
+# -- loops: a repeated stretch of the program rolled into one lax.scan ------------------
+REPEATS = 16  # fewest repetitions of a stretch that `rolled` rolls into a loop
+
+
+class RolledCall:
+    """The lean calls at one place of a stretch of the program repeated `len(members)`
+    times, rolled into a loop: iteration i runs `members[i]` (whose argument and result
+    shapes are all the same). Its first argument after the token is i."""
+
+    lean = ordered = True
+    phase = "rolled"
+
+    def __init__(self, members):
+        self.members = tuple(members)
+        self.ffi_id = None  # set when lowered (see _ffi.register)
+
+    def __repr__(self):
+        return f"rolled[{len(self.members)} x {self.members[0]!r}]"
+
+    def shapes(self):
+        """**Returns:** the `jax.ShapeDtypeStruct`s of the results (the members')."""
+        return self.members[0].shapes()
+
+    def __call__(self, index, *args, out=None):
+        return self.members[int(index)](*args, out=out)
+
+
+class _Loop:
+    """A stretch of `m` repetitions of `k` equations from `start` on, and how each
+    repetition's inputs and outputs connect (see `_loop`)."""
+
+    def __init__(self, start, k, m, kinds, carried, needed):
+        self.start, self.k, self.m, self.stop = start, k, m, start + k * m
+        self.kinds = kinds  # (eqn, argument) -> kind of what the argument reads
+        self.carried = carried  # the (eqn, result) read by the next repetition, in order
+        self.needed = needed  # (eqn, result) -> whether read after the stretch
+
+
+def rolled(closed_jaxpr, repeats=None):
+    """Roll every stretch of a lean program that repeats at least `repeats` (default
+    `REPEATS`) times (the
+    same operations on values of the same shapes, each repetition reading the one
+    before it the same way, as `for _ in range(n): y = f(op(y))` gives) into one
+    `lax.scan`: XLA compiles one repetition instead of all of them. Each lean call of
+    the stretch becomes one `RolledCall`; the token runs through the loop's carry, so
+    the calls still run one at a time, in the same order, each once.
+
+    **Returns:** `(ClosedJaxpr, RolledCalls)` or None if nothing repeats.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    loops = _loops(jaxpr, repeats or REPEATS)
+    if not loops:
+        return None
+    # stretch t (eqns[bounds[2t]:bounds[2t + 1]]) runs before loop t, each a function of
+    # its own (see `_segment`)
+    eqns = jaxpr.eqns
+    bounds = [0, *(b for loop in loops for b in (loop.start, loop.stop)), len(eqns)]
+    stretches, needed = [], set(_vars(jaxpr.outvars))
+    for t in range(len(loops), -1, -1):
+        stretches.append(_segment(eqns[bounds[2 * t]:bounds[2 * t + 1]], needed)[:3])
+        for eqn in eqns[bounds[2 * t - 1] if t else 0:bounds[2 * t + 1]]:
+            needed.update(_vars(eqn.invars))
+    stretches.reverse()
+    made = []
+
+    def run(*args):
+        env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+        env.update(zip(jaxpr.invars, args))
+        stacked = {}  # var -> (a loop's stacked results, index): read there when needed
+
+        def read(v):
+            if isinstance(v, Literal):
+                return v.val
+            if v not in env:
+                array, index = stacked[v]
+                env[v] = array[index]
+            return env[v]
+
+        for (inputs, outputs, fn), loop in zip(stretches, loops + [None]):
+            env.update(zip(outputs, fn(*map(read, inputs))))
+            if loop is not None:
+                made.extend(_run_loop(eqns, loop, read, env, stacked))
+        return [read(v) for v in jaxpr.outvars]
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    return jax.make_jaxpr(run)(*avals), tuple(made)
+
+
+def _key(eqn):
+    """What two equations must share to be one equation of a loop's body: primitive,
+    parameters (lean calls count alike), argument and result types, literals' values."""
+    params = []
+    for name, value in sorted(eqn.params.items()):
+        if name == "call":
+            value = "lean" if getattr(value, "lean", False) else id(value)
+        else:
+            try:
+                hash(value)
+            except TypeError:
+                value = id(value)
+        params.append((name, value))
+    args = tuple((v.aval, np.asarray(v.val).tobytes()) if isinstance(v, Literal)
+                 else v.aval for v in eqn.invars)
+    return (eqn.primitive, tuple(params), args, tuple(v.aval for v in eqn.outvars),
+            bool(eqn.effects))
+
+
+def _loops(jaxpr, repeats):
+    """**Returns:** the `_Loop`s of `jaxpr`, in program order, none overlapping. Each
+    starts at a lean call that recurs, every k equations, at least `repeats` times."""
+    eqns, ids = jaxpr.eqns, {}
+    keys = [ids.setdefault(_key(eqn), len(ids)) for eqn in eqns]
+    later, seen = [None] * len(eqns), {}
+    for i in range(len(eqns) - 1, -1, -1):
+        later[i], seen[keys[i]] = seen.get(keys[i]), i
+    where = {v: (i, p) for i, eqn in enumerate(eqns) for p, v in enumerate(eqn.outvars)}
+    readers = {}
+    for i, eqn in enumerate(eqns):
+        for v in _vars(eqn.invars):
+            readers.setdefault(v, []).append(i)
+    for v in _vars(jaxpr.outvars):
+        readers.setdefault(v, []).append(len(eqns))
+    loops, i = [], 0
+    while i < len(eqns):
+        step, j, tries = 1, later[i], 0
+        while _lean(eqns[i]) and not eqns[i].effects and j is not None and tries < 4:
+            k, m = j - i, 1
+            while keys[i + m * k:i + (m + 1) * k] == keys[i:i + k]:
+                m += 1
+            if m >= repeats:
+                loop, consistent = _loop(eqns, i, k, m, where, readers)
+                if loop is not None and loop.m >= repeats:
+                    loops.append(loop)
+                    step = loop.stop - i
+                    break
+                step = max(step, consistent * k)
+            j, tries = later[j], tries + 1
+        i += step
+    return loops
+
+
+def _loop(eqns, start, k, m, where, readers):
+    """Check that `m` repetitions of `eqns[start:start + k]` can be one loop, as far as
+    they can.
+
+    **Returns:** (the `_Loop` of the longest such run from `start`, or None; how many
+    repetitions read their arguments consistently)."""
+    kinds, m = _kinds(eqns, start, k, m, where)
+    consistent = m
+    # a result read by a repetition other than its own and the next ends the loop there
+    changed = True
+    while changed and m > 1:
+        changed, needed = False, {}
+        for j in range(m):
+            for r in range(k):
+                for p, v in enumerate(eqns[start + j * k + r].outvars):
+                    for u in readers.get(v, ()):
+                        b = (u - start) // k if start <= u < start + m * k else None
+                        if b is None:  # read after the loop
+                            needed[(r, p)] = needed.get((r, p), False) or j < m - 1
+                        elif b not in (j, j + 1):
+                            m, changed = b, True
+    if m < 2:
+        return None, consistent
+    carried = sorted({kind[1:] for kind in kinds.values() if kind[0] == "carry"})
+    starts = {}
+    for (r, q), kind in kinds.items():
+        if kind[0] == "carry":  # the arguments carried from one result start alike
+            v, produced = eqns[start + r].invars[q], eqns[start + kind[1]].outvars[kind[2]]
+            if (starts.setdefault(kind[1:], v) is not v
+                    or v.aval.shape != produced.aval.shape
+                    or v.aval.dtype != produced.aval.dtype):
+                return None, 0
+    return _Loop(start, k, m, kinds, carried, needed), consistent
+
+
+def _kinds(eqns, start, k, m, where):
+    """**Returns:** (argument (eqn, position) of a repetition -> what it reads (see
+    `_kind`; carried where the first repetition reads a value from before the loop
+    and the others the one before's result), how many repetitions from `start` read
+    alike (at most `m`))."""
+    kinds = {}
+    for j in range(m):
+        base = start + j * k
+        for r in range(k):
+            for q, v in enumerate(eqns[base + r].invars):
+                kind = _kind(v, where, start, base, k)
+                if j == 0 or (j == 1 and kinds[(r, q)] == "outside"
+                              and isinstance(kind, tuple) and kind[0] == "carry"):
+                    kinds[(r, q)] = kind
+                elif kind is None or kind != kinds[(r, q)]:
+                    return kinds, j
+    return kinds, m
+
+
+def _kind(v, where, start, base, k):
+    """What argument `v` of the repetition at `base` reads: "literal", "outside" (a
+    value from before the stretch), ("inside", eqn, result) of the same repetition,
+    ("carry", eqn, result) of the one before, or None (an earlier one)."""
+    if isinstance(v, Literal):
+        return "literal"
+    found = where.get(v)
+    if found is None or found[0] < start:
+        return "outside"
+    if found[0] >= base:
+        return ("inside", found[0] - base, found[1])
+    if found[0] >= base - k:
+        return ("carry", found[0] - base + k, found[1])
+    return None
+
+
+def _run_loop(eqns, loop, read, env, stacked):
+    """Run `loop` as a `lax.scan` (see `rolled`): set its results in `env` (the last
+    repetition's carried results) and `stacked` (results stacked over repetitions).
+
+    **Returns:** the `RolledCall`s of its body."""
+    start, k, m = loop.start, loop.k, loop.m
+    block = eqns[start:start + k]
+    carry_in = {c: Var(block[c[0]].outvars[c[1]].aval) for c in loop.carried}
+    outside, xs, invariants = {}, [], []  # slot -> var of the body; the loop's inputs
+    for slot, kind in loop.kinds.items():
+        if kind != "outside":
+            continue
+        every = [eqns[start + j * k + slot[0]].invars[slot[1]] for j in range(m)]
+        body_var = Var(every[0].aval)
+        if all(v is every[0] for v in every):
+            invariants.append((body_var, read(every[0])))
+        else:
+            xs.append((body_var, _stack(every, read, stacked)))
+        outside[slot] = body_var
+    index = Var(ShapedArray((), np.int32))
+    body_eqns, calls = [], []
+    for r, eqn in enumerate(block):
+        invars = []
+        for q, v in enumerate(eqn.invars):
+            kind = loop.kinds[(r, q)]
+            invars.append(v if kind == "literal" or kind[0] == "inside"
+                          else carry_in[kind[1:]] if kind[0] == "carry" else outside[(r, q)])
+        params = eqn.params
+        if _lean(eqn):
+            call = RolledCall([eqns[start + j * k + r].params["call"] for j in range(m)])
+            calls.append(call)
+            invars.insert(1, index)
+            params = dict(params, call=call)
+        body_eqns.append(new_jaxpr_eqn(invars, eqn.outvars, eqn.primitive, params,
+                                       eqn.effects))
+    ys = [slot for slot, before_end in loop.needed.items()
+          if before_end or slot not in carry_in]
+    inputs = list(carry_in.values()) + [index] + [v for v, _ in xs] + [v for v, _ in invariants]
+    outputs = ([block[r].outvars[p] for r, p in loop.carried]
+               + [block[r].outvars[p] for r, p in ys])
+    info = DebugInfo("distop loop", None, ("",) * len(inputs), ("",) * len(outputs))
+    body = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, body_eqns, debug_info=info),
+                                    []))
+    fixed = [value for _, value in invariants]
+    init = []
+    for c in loop.carried:  # the value each carried result starts from
+        slot = next(s for s, kind in loop.kinds.items() if kind[0] == "carry"
+                    and kind[1:] == c)
+        init.append(read(eqns[start + slot[0]].invars[slot[1]]))
+
+    def step(carry, x):
+        results = body(*carry, *x, *fixed)
+        return results[:len(carry)], results[len(carry):]
+
+    last, stacks = lax.scan(step, init, [jnp.arange(m, dtype=np.int32)]
+                            + [value for _, value in xs])
+    final = start + (m - 1) * k
+    for (r, p), value in zip(loop.carried, last):
+        env[eqns[final + r].outvars[p]] = value
+    for (r, p), array in zip(ys, stacks):
+        for j in range(m):
+            v = eqns[start + j * k + r].outvars[p]
+            if v not in env:
+                stacked[v] = (array, j)
+    return calls
+
+
+def _stack(every, read, stacked):
+    """The values of `every` (variables) stacked along a new first axis: a run of them
+    that a loop stacked in order (or in reverse order) is a slice of its stack."""
+    pieces, j, none = [], 0, (None, None)
+    while j < len(every):
+        array, first = stacked.get(every[j], none)
+        run, step = 1, 1
+        if array is not None and j + 1 < len(every):
+            after = stacked.get(every[j + 1], none)
+            if after[0] is array and abs(after[1] - first) == 1:
+                step = after[1] - first
+                while j + run < len(every):
+                    found = stacked.get(every[j + run], none)
+                    if found[0] is not array or found[1] != first + step * run:
+                        break
+                    run += 1
+        if array is None:
+            pieces.append(lax.expand_dims(read(every[j]), (0,)))
+        else:
+            low = min(first, first + step * (run - 1))
+            piece = lax.slice_in_dim(array, low, low + run)
+            pieces.append(piece if step == 1 else lax.rev(piece, (0,)))
+        j += run
+    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)

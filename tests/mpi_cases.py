@@ -317,8 +317,25 @@ def calls_given_rows_alike_where_ranks_build_different_programs():
 def a_long_chain_runs_in_segments_with_every_collective_once_in_order():
     from distop import _rewrite
 
+    repeats, _rewrite.REPEATS = _rewrite.REPEATS, 10 ** 9  # no loops: the chain as it is
+    try:
+        _chain_runs_every_collective_once_in_order(_rewrite.SEGMENT + 6)
+    finally:
+        _rewrite.REPEATS = repeats
+
+
+@case("core")
+def a_repeated_stretch_runs_as_one_loop_with_every_collective_once_in_order():
+    from distop import _ffi, _rewrite
+
+    before = set(_ffi._calls)
+    _chain_runs_every_collective_once_in_order(2 * _rewrite.REPEATS + 3)
+    assert any(isinstance(c, _rewrite.RolledCall)
+               for k, c in _ffi._calls.items() if k not in before)
+
+
+def _chain_runs_every_collective_once_in_order(n):
     log, active = [], [0]
-    n = _rewrite.SEGMENT + 6
     ops = [Logged(i, log, active) for i in range(n)]
 
     def model(x):

@@ -404,5 +404,38 @@ def shard_gives_every_rank_the_same_count():
         assert weighted == n * (n - 1) / 2
 
 
+@case
+def a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
+    from distop import _ffi, _rewrite
+
+    rng = np.random.default_rng(2)
+    xg = rng.standard_normal(N)
+    n = _rewrite.REPEATS + 4
+
+    def model(x):
+        for _ in range(n):  # one loop, on every rank
+            s = distop.RankLocal()(distop.AllreduceSum()(jnp.sum(x * x)))
+            x = jnp.sin(x) * (1.0 + 0.01 * s)
+        return {"f": distop.AllreduceSum()(jnp.sum(x)), "x": x}
+
+    def make():
+        problem = distop.Problem(model, {"x": mine(xg)}, distributed={"x"})
+        return problem, problem.run(), problem.compute_totals()
+
+    before = set(_ffi._calls)
+    problem, values, totals = make()
+    assert any(isinstance(c, _rewrite.RolledCall)
+               for k, c in _ffi._calls.items() if k not in before)
+    repeats, _rewrite.REPEATS = _rewrite.REPEATS, 10 ** 9
+    try:
+        _, flat_values, flat_totals = make()
+    finally:
+        _rewrite.REPEATS = repeats
+    for key in flat_values:
+        all_close_everywhere(comm, values[key], flat_values[key], rtol=1e-13)
+    for key in flat_totals:
+        all_close_everywhere(comm, totals[key], flat_totals[key], rtol=1e-13)
+    check(problem)
+
 if __name__ == "__main__":
     run_cases(CASES)

@@ -271,9 +271,10 @@ def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
                                rtol=1e-12)
 
 
-def test_a_long_chain_runs_in_segments_exactly_once_per_call():
+def test_a_long_chain_runs_in_segments_exactly_once_per_call(monkeypatch):
     from distop import _rewrite
 
+    monkeypatch.setattr(_rewrite, "REPEATS", 10 ** 9)  # no loops: the chain as it is
     log = []
 
     class Logged(distop.DistributedOperator):
@@ -311,6 +312,115 @@ def _chain_reference(x, n):
     for _ in range(n):
         x = jnp.sin(0.5 * x)
     return x
+
+
+class _Logged(distop.DistributedOperator):
+    """y = scale * x, logging every call."""
+
+    index: int
+    log: list
+    scale: float = 0.5
+    forward_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        self.log.append(("forward", self.index))
+        return self.scale * x
+
+    def vjp(self, comm, y_bar, x):
+        self.log.append(("vjp", self.index))
+        return self.scale * y_bar
+
+
+def _loops(problem, name):
+    """**Returns:** the scans at the top level of an entry point's program."""
+    program = _programs(problem)[name]
+    spec = {"x": jax.ShapeDtypeStruct((2,), np.float64)}
+    extra = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.extra]
+    jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), spec, *extra).jaxpr
+    return [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def _unrolled(monkeypatch, make):
+    """What `make()` gives with loops turned off."""
+    from distop import _rewrite
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_rewrite, "REPEATS", 10 ** 9)
+        return make()
+
+
+def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order(monkeypatch):
+    from distop import _rewrite
+
+    log, n = [], 3 * _rewrite.REPEATS + 1
+    ops = [_Logged(i, log, ordered=True) for i in range(n)]
+    x0 = np.array([0.3, -0.2])
+    problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": x0})
+    log.clear()
+    f = problem.run()["f"]
+    assert log == [("forward", i) for i in range(n)]  # every call once, in order
+    log.clear()
+    J = problem.compute_totals()["f", "x"]
+    assert log == ([("forward", i) for i in range(n)]
+                   + [("vjp", i) for i in reversed(range(n))])
+    programs = _programs(problem)
+    assert programs["run"].calls == n and programs["compute_totals"].calls == 2 * n
+    # one loop for the values; one forward and one reverse for the totals
+    assert len(_loops(problem, "run")) == 1 and len(_loops(problem, "compute_totals")) == 2
+    np.testing.assert_allclose(f, np.sum(_chain_reference(x0, n) ** 2), rtol=1e-12)
+    reference = jax.grad(lambda x: jnp.sum(_chain_reference(x, n) ** 2))(jnp.array(x0))
+    np.testing.assert_allclose(J[0], reference, rtol=1e-12)
+
+
+def test_loops_give_what_the_calls_one_by_one_give(monkeypatch):
+    """Two operators per repetition, a result read after the loop from every
+    repetition, a repetition that differs in the middle (two loops around it), and a
+    derivative call that reads its forward call's input: the same values and totals
+    with loops and without."""
+    a = dm.setup(2, 1)[0].toarray()
+    first = dm.DistributedMatvec(a * 0.9, ordered=True)
+    second = dm.DistributedMatvec(np.eye(2)[::-1] * 0.8, ordered=True)
+
+    def model(x):
+        seen = []
+        for i in range(60):
+            x = jnp.tanh(first(x)) * (1.5 if i == 30 else 1.0)
+            x = -second(x)
+            seen.append(x[0])
+        return {"f": jnp.sum(x * x), "seen": jnp.stack(seen)}
+
+    x0 = np.array([0.3, -0.7])
+
+    def make():
+        problem = distop.Problem(model, {"x": x0})
+        return problem, problem.run(), problem.compute_totals()
+
+    problem, values, totals = make()
+    _, flat_values, flat_totals = _unrolled(monkeypatch, make)
+    assert len(_loops(problem, "run")) == 2 and len(_loops(problem, "compute_totals")) == 4
+    for key in flat_values:
+        np.testing.assert_allclose(values[key], flat_values[key], rtol=1e-13)
+    for key in flat_totals:
+        np.testing.assert_allclose(totals[key], flat_totals[key], rtol=1e-13, atol=1e-300)
+    reference = jax.jacrev(lambda x: model(x)["seen"])(jnp.array(x0))
+    np.testing.assert_allclose(totals["seen", "x"], reference, rtol=1e-12, atol=1e-300)
+
+
+def test_loops_release_their_call_sites_with_the_program():
+    import gc
+
+    from distop import _ffi, _rewrite
+
+    log = []
+    ops = [_Logged(i, log, ordered=True) for i in range(_rewrite.REPEATS + 2)]
+    problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": np.array([0.3, -0.2])})
+    problem.compute_totals()
+    rolled = [c for c in _ffi._calls.values() if isinstance(c, _rewrite.RolledCall)]
+    assert any(c.members[0].op is ops[0] for c in rolled)
+    del problem, rolled
+    gc.collect()
+    assert not any(isinstance(c, _rewrite.RolledCall) and c.members[0].op is ops[0]
+                   for c in _ffi._calls.values())
 
 
 def test_a_program_that_skips_a_host_call_raises():

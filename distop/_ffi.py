@@ -22,7 +22,7 @@ import numpy as np
 from ._compat import x64_enabled
 
 TARGET = "distop_host_call"
-_calls = {}  # call_id -> HostCall (or FusedCall) of every live lowered lean call site
+_calls = {}  # call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _registered = False
@@ -217,8 +217,8 @@ _HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))(_handler)
 
 
 def register(call):
-    """Give `call` (a lean `HostCall` or `FusedCall`, when lowered) a unique id for its
-    call site; register the FFI target with XLA on first use.
+    """Give `call` (a lean `HostCall`, `FusedCall` or `RolledCall`, when lowered) a
+    unique id for its call site; register the FFI target with XLA on first use.
 
     **Returns:** the id, passed to the target as the `call_id` attribute.
     """
@@ -302,17 +302,18 @@ def chained(closed_jaxpr):
             if eqn.invars[0] is not token:
                 return False
             token = eqn.outvars[0]
-        elif _has_lean(eqn):
+        elif has_lean(eqn):
             return False
     return jaxpr.outvars[-1] is token
 
 
-def _has_lean(eqn):
+def has_lean(eqn):
+    """Whether a lean call sits inside `eqn` (a loop, branch or call of its own)."""
     for value in eqn.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
             inner = getattr(sub, "jaxpr", sub)
             if hasattr(inner, "eqns") and any(
-                    getattr(e.params.get("call"), "lean", False) or _has_lean(e)
+                    getattr(e.params.get("call"), "lean", False) or has_lean(e)
                     for e in inner.eqns):
                 return True
     return False

@@ -23,7 +23,8 @@ token still runs through every call in order; the other branch would return a Na
 token, which the count of calls checked after every run would catch.
 
 **Loops.** Before the segments, a stretch of the program repeated at least `REPEATS`
-times (a Python loop over operator calls) is rolled into one `lax.scan` (see `rolled`):
+times (a Python loop over operator calls) is rolled into one `lax.scan` (see `rolled`;
+each loop is then a segment of its own):
 XLA compiles one repetition, where it would compile each, at 0.6-1 ms per host call
 and more than linearly in their number (buffer assignment).
 """
@@ -43,6 +44,7 @@ from . import _safety
 from ._callback import rows_of
 from ._comm import mpi
 from ._compat import ShapedArray
+from ._ffi import has_lean
 
 SEGMENT = 64  # host calls per segment of a long chain
 
@@ -922,6 +924,10 @@ def segmented(closed_jaxpr, size=None):
             calls += 1
             if calls % size == 0:
                 bounds.append(i + 1)
+        elif has_lean(eqn):
+            # a loop (see `rolled`) is a piece of its own, run as it is: every other
+            # piece then starts with a call whose token comes from before the piece
+            bounds.extend([i, i + 1][bounds[-1] == i:])
     if calls <= size:
         return None
     if bounds[-1] != len(eqns):
@@ -1015,7 +1021,9 @@ class _Loop:
         self.start, self.k, self.m, self.stop = start, k, m, start + k * m
         self.kinds = kinds  # (eqn, argument) -> kind of what the argument reads
         self.carried = carried  # the (eqn, result) read by the next repetition, in order
-        self.needed = needed  # (eqn, result) -> whether read after the stretch
+        # (eqn, result) read after the stretch -> whether from a repetition before the
+        # last (else the last one's, which the carry may give)
+        self.needed = needed
 
 
 def rolled(closed_jaxpr, repeats=None):
@@ -1027,7 +1035,9 @@ def rolled(closed_jaxpr, repeats=None):
     the stretch becomes one `RolledCall`; the token runs through the loop's carry, so
     the calls still run one at a time, in the same order, each once.
 
-    **Returns:** `(ClosedJaxpr, RolledCalls)` or None if nothing repeats.
+    **Returns:** `(ClosedJaxpr, RolledCalls)`, or None if nothing repeats (or the
+    program has effects besides its lean calls). Values agree with the calls one by
+    one to round-off: XLA may fold or fuse a repetition differently.
     """
     jaxpr = closed_jaxpr.jaxpr
     if _other_effects(jaxpr):  # their order inside a loop is not proven here

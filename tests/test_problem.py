@@ -406,6 +406,36 @@ def test_loops_give_what_the_calls_one_by_one_give(monkeypatch):
     np.testing.assert_allclose(totals["seen", "x"], reference, rtol=1e-12, atol=1e-300)
 
 
+def test_loops_among_more_calls_than_one_segment_holds(monkeypatch):
+    """An outer Python loop of 8 calls and an inner one of 16 repetitions (a loop of
+    its own), 10 times: more top-level calls than a segment holds, and a segment's
+    64th call right before a loop."""
+    inner = dm.DistributedMatvec(dm.setup(2, 1)[0].toarray() * 0.9, ordered=True)
+    total = distop.AllreduceSum()
+
+    def model(x):
+        for _ in range(10):
+            s = jnp.sum(x)
+            for _ in range(8):
+                s = jnp.cos(total(s))
+            y = x * s
+            for _ in range(16):
+                y = -inner(y)
+            x = x + 0.1 * y
+        return {"f": jnp.sum(x)}
+
+    def make():
+        problem = distop.Problem(model, {"x": np.array([0.3, -0.7])})
+        return problem, problem.run(), problem.compute_totals()
+
+    problem, values, totals = make()
+    _, flat_values, flat_totals = _unrolled(monkeypatch, make)
+    assert len(_loops(problem, "run")) >= 10
+    assert _programs(problem)["run"].calls == 10 * (8 + 16)
+    np.testing.assert_allclose(values["f"], flat_values["f"], rtol=1e-13)
+    np.testing.assert_allclose(totals["f", "x"], flat_totals["f", "x"], rtol=1e-13)
+
+
 def test_loops_release_their_call_sites_with_the_program():
     import gc
 

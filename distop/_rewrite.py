@@ -932,12 +932,7 @@ def segmented(closed_jaxpr, size=None):
         return None
     if bounds[-1] != len(eqns):
         bounds.append(len(eqns))
-    needed, pieces = set(_vars(jaxpr.outvars)), []
-    for start, stop in reversed(list(itertools.pairwise(bounds))):
-        pieces.append(_segment(eqns[start:stop], needed))
-        for eqn in eqns[start:stop]:
-            needed.update(_vars(eqn.invars))
-    pieces.reverse()
+    pieces = _pieces(jaxpr, bounds)
 
     def run(*args):
         env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
@@ -953,6 +948,17 @@ def segmented(closed_jaxpr, size=None):
         return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
 
     return run
+
+
+def _pieces(jaxpr, bounds):
+    """**Returns:** `_segment` of each piece `jaxpr.eqns[a:b]` between two neighbours
+    of `bounds`, in program order."""
+    needed, pieces = set(_vars(jaxpr.outvars)), []
+    for start, stop in reversed(list(itertools.pairwise(bounds))):
+        pieces.append(_segment(jaxpr.eqns[start:stop], needed))
+        for eqn in jaxpr.eqns[start:stop]:
+            needed.update(_vars(eqn.invars))
+    return pieces[::-1]
 
 
 def _vars(atoms):
@@ -1045,16 +1051,10 @@ def rolled(closed_jaxpr, repeats=None):
     loops = _loops(jaxpr, repeats or REPEATS)
     if not loops:
         return None
-    # stretch t (eqns[bounds[2t]:bounds[2t + 1]]) runs before loop t, each a function of
-    # its own (see `_segment`)
+    # the stretch before each loop, and after the last, as a function of its own
     eqns = jaxpr.eqns
     bounds = [0, *(b for loop in loops for b in (loop.start, loop.stop)), len(eqns)]
-    stretches, needed = [], set(_vars(jaxpr.outvars))
-    for t in range(len(loops), -1, -1):
-        stretches.append(_segment(eqns[bounds[2 * t]:bounds[2 * t + 1]], needed)[:3])
-        for eqn in eqns[bounds[2 * t - 1] if t else 0:bounds[2 * t + 1]]:
-            needed.update(_vars(eqn.invars))
-    stretches.reverse()
+    stretches = [piece[:3] for piece in _pieces(jaxpr, bounds)[::2]]
     made = []
 
     def run(*args):
@@ -1095,8 +1095,7 @@ def _key(eqn):
         params.append((name, value))
     args = tuple((v.aval, np.asarray(v.val).tobytes()) if isinstance(v, Literal)
                  else v.aval for v in eqn.invars)
-    return (eqn.primitive, tuple(params), args, tuple(v.aval for v in eqn.outvars),
-            bool(eqn.effects))
+    return eqn.primitive, tuple(params), args, tuple(v.aval for v in eqn.outvars)
 
 
 def _loops(jaxpr, repeats):
@@ -1117,7 +1116,7 @@ def _loops(jaxpr, repeats):
     loops, i = [], 0
     while i < len(eqns):
         step, j, tries = 1, later[i], 0
-        while _lean(eqns[i]) and not eqns[i].effects and j is not None and tries < 4:
+        while _lean(eqns[i]) and j is not None and tries < 4:
             k, m = j - i, 1
             while keys[i + m * k:i + (m + 1) * k] == keys[i:i + k]:
                 m += 1
@@ -1140,22 +1139,16 @@ def _loop(eqns, start, k, m, where, readers):
     **Returns:** (the `_Loop` of the longest such run from `start`, or None; how many
     repetitions read their arguments consistently)."""
     kinds, m = _kinds(eqns, start, k, m, where)
-    consistent = m
-    # a result read by a repetition other than its own and the next ends the loop there
-    changed = True
-    while changed and m > 1:
-        changed, needed = False, {}
-        for j in range(m):
-            for r in range(k):
-                for p, v in enumerate(eqns[start + j * k + r].outvars):
-                    for u in readers.get(v, ()):
-                        b = (u - start) // k if start <= u < start + m * k else None
-                        if b is None:  # read after the loop
-                            needed[(r, p)] = needed.get((r, p), False) or j < m - 1
-                        elif b not in (j, j + 1):
-                            m, changed = b, True
     if m < 2:
-        return None, consistent
+        return None, m
+    # A result is read in its own repetition, the next one or after the loop (`_kinds`
+    # ended the run at any read from two or more repetitions back).
+    needed, stop = {}, start + m * k
+    for j in range(m):
+        for r in range(k):
+            for p, v in enumerate(eqns[start + j * k + r].outvars):
+                if any(u >= stop for u in readers.get(v, ())):
+                    needed[(r, p)] = needed.get((r, p), False) or j < m - 1
     carried = sorted({kind[1:] for kind in kinds.values() if kind[0] == "carry"})
     starts = {}
     for (r, q), kind in kinds.items():
@@ -1165,7 +1158,7 @@ def _loop(eqns, start, k, m, where, readers):
                     or v.aval.shape != produced.aval.shape
                     or v.aval.dtype != produced.aval.dtype):
                 return None, 0
-    return _Loop(start, k, m, kinds, carried, needed), consistent
+    return _Loop(start, k, m, kinds, carried, needed), m
 
 
 def _kinds(eqns, start, k, m, where):
@@ -1179,23 +1172,26 @@ def _kinds(eqns, start, k, m, where):
         for r in range(k):
             for q, v in enumerate(eqns[base + r].invars):
                 kind = _kind(v, where, start, base, k)
-                if j == 0 or (j == 1 and kinds[(r, q)] == "outside"
-                              and isinstance(kind, tuple) and kind[0] == "carry"):
+                if j == 0 or (j == 1 and kinds[(r, q)] == _OUTSIDE and kind is not None
+                              and kind[0] == "carry"):
                     kinds[(r, q)] = kind
                 elif kind is None or kind != kinds[(r, q)]:
                     return kinds, j
     return kinds, m
 
 
+_LITERAL, _OUTSIDE = ("literal",), ("outside",)
+
+
 def _kind(v, where, start, base, k):
-    """What argument `v` of the repetition at `base` reads: "literal", "outside" (a
+    """What argument `v` of the repetition at `base` reads: `_LITERAL`, `_OUTSIDE` (a
     value from before the stretch), ("inside", eqn, result) of the same repetition,
     ("carry", eqn, result) of the one before, or None (an earlier one)."""
     if isinstance(v, Literal):
-        return "literal"
+        return _LITERAL
     found = where.get(v)
     if found is None or found[0] < start:
-        return "outside"
+        return _OUTSIDE
     if found[0] >= base:
         return ("inside", found[0] - base, found[1])
     if found[0] >= base - k:
@@ -1213,7 +1209,7 @@ def _run_loop(eqns, loop, read, env, stacked):
     carry_in = {c: Var(block[c[0]].outvars[c[1]].aval) for c in loop.carried}
     outside, xs, invariants = {}, [], []  # slot -> var of the body; the loop's inputs
     for slot, kind in loop.kinds.items():
-        if kind != "outside":
+        if kind != _OUTSIDE:
             continue
         every = [eqns[start + j * k + slot[0]].invars[slot[1]] for j in range(m)]
         body_var = Var(every[0].aval)
@@ -1228,7 +1224,7 @@ def _run_loop(eqns, loop, read, env, stacked):
         invars = []
         for q, v in enumerate(eqn.invars):
             kind = loop.kinds[(r, q)]
-            invars.append(v if kind == "literal" or kind[0] == "inside"
+            invars.append(v if kind[0] in ("literal", "inside")
                           else carry_in[kind[1:]] if kind[0] == "carry" else outside[(r, q)])
         params = eqn.params
         if _lean(eqn):

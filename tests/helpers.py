@@ -111,6 +111,27 @@ def totals_jaxpr(problem):
     return jaxpr, calls
 
 
+def without_loops(make):
+    """**Returns:** what `make()` gives with distop's loops turned off (see
+    `distop._rewrite.rolled`): the program's calls one by one."""
+    from distop import _rewrite
+
+    repeats, _rewrite.REPEATS = _rewrite.REPEATS, 10 ** 9
+    try:
+        return make()
+    finally:
+        _rewrite.REPEATS = repeats
+
+
+def loops_since(before):
+    """**Returns:** the `RolledCall`s of the lean call sites registered since `before`
+    (a set of call ids: `set(distop._ffi._calls)`)."""
+    from distop import _ffi, _rewrite
+
+    return [c for k, c in _ffi._calls.items()
+            if k not in before and isinstance(c, _rewrite.RolledCall)]
+
+
 # -- launching MPI jobs ---------------------------------------------------------------
 def mpiexec():
     """**Returns:** the `mpiexec` beside this Python (the mpich wheel's), else on PATH."""

@@ -26,8 +26,10 @@ from helpers import (  # noqa: E402
     RowScale,
     ScaledSum,
     all_close_everywhere,
+    loops_since,
     run_cases,
     totals_jaxpr,
+    without_loops,
 )
 
 comm = MPI.COMM_WORLD
@@ -317,11 +319,8 @@ def calls_given_rows_alike_where_ranks_build_different_programs():
 def a_long_chain_runs_in_segments_with_every_collective_once_in_order():
     from distop import _rewrite
 
-    repeats, _rewrite.REPEATS = _rewrite.REPEATS, 10 ** 9  # no loops: the chain as it is
-    try:
-        _chain_runs_every_collective_once_in_order(_rewrite.SEGMENT + 6)
-    finally:
-        _rewrite.REPEATS = repeats
+    # no loops: the chain as it is
+    without_loops(lambda: _chain_runs_every_collective_once_in_order(_rewrite.SEGMENT + 6))
 
 
 @case("core")
@@ -330,8 +329,7 @@ def a_repeated_stretch_runs_as_one_loop_with_every_collective_once_in_order():
 
     before = set(_ffi._calls)
     _chain_runs_every_collective_once_in_order(2 * _rewrite.REPEATS + 3)
-    assert any(isinstance(c, _rewrite.RolledCall)
-               for k, c in _ffi._calls.items() if k not in before)
+    assert loops_since(before)
 
 
 def _chain_runs_every_collective_once_in_order(n):

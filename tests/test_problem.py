@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Cube, RowScale, totals_jaxpr
+from helpers import Cube, RowScale, loops_since, totals_jaxpr, without_loops
 
 import distop
 
@@ -340,16 +340,7 @@ def _loops(problem, name):
     return [e for e in jaxpr.eqns if e.primitive.name == "scan"]
 
 
-def _unrolled(monkeypatch, make):
-    """What `make()` gives with loops turned off."""
-    from distop import _rewrite
-
-    with monkeypatch.context() as patch:
-        patch.setattr(_rewrite, "REPEATS", 10 ** 9)
-        return make()
-
-
-def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order(monkeypatch):
+def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order():
     from distop import _rewrite
 
     log, n = [], 3 * _rewrite.REPEATS + 1
@@ -372,7 +363,7 @@ def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order(monk
     np.testing.assert_allclose(J[0], reference, rtol=1e-12)
 
 
-def test_loops_give_what_the_calls_one_by_one_give(monkeypatch):
+def test_loops_give_what_the_calls_one_by_one_give():
     """Two operators per repetition, a result read after the loop from every
     repetition, a repetition that differs in the middle (two loops around it), and a
     derivative call that reads its forward call's input: the same values and totals
@@ -396,7 +387,7 @@ def test_loops_give_what_the_calls_one_by_one_give(monkeypatch):
         return problem, problem.run(), problem.compute_totals()
 
     problem, values, totals = make()
-    _, flat_values, flat_totals = _unrolled(monkeypatch, make)
+    _, flat_values, flat_totals = without_loops(make)
     assert len(_loops(problem, "run")) == 2 and len(_loops(problem, "compute_totals")) == 4
     for key in flat_values:
         np.testing.assert_allclose(values[key], flat_values[key], rtol=1e-13)
@@ -406,7 +397,7 @@ def test_loops_give_what_the_calls_one_by_one_give(monkeypatch):
     np.testing.assert_allclose(totals["seen", "x"], reference, rtol=1e-12, atol=1e-300)
 
 
-def test_loops_among_more_calls_than_one_segment_holds(monkeypatch):
+def test_loops_among_more_calls_than_one_segment_holds():
     """An outer Python loop of 8 calls and an inner one of 16 repetitions (a loop of
     its own), 10 times: more top-level calls than a segment holds, and a segment's
     64th call right before a loop."""
@@ -429,7 +420,7 @@ def test_loops_among_more_calls_than_one_segment_holds(monkeypatch):
         return problem, problem.run(), problem.compute_totals()
 
     problem, values, totals = make()
-    _, flat_values, flat_totals = _unrolled(monkeypatch, make)
+    _, flat_values, flat_totals = without_loops(make)
     assert len(_loops(problem, "run")) >= 10
     assert _programs(problem)["run"].calls == 10 * (8 + 16)
     np.testing.assert_allclose(values["f"], flat_values["f"], rtol=1e-13)
@@ -444,13 +435,12 @@ def test_loops_release_their_call_sites_with_the_program():
     log = []
     ops = [_Logged(i, log, ordered=True) for i in range(_rewrite.REPEATS + 2)]
     problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": np.array([0.3, -0.2])})
+    before = set(_ffi._calls)
     problem.compute_totals()
-    rolled = [c for c in _ffi._calls.values() if isinstance(c, _rewrite.RolledCall)]
-    assert any(c.members[0].op is ops[0] for c in rolled)
-    del problem, rolled
+    assert any(c.members[0].op is ops[0] for c in loops_since(before))
+    del problem
     gc.collect()
-    assert not any(isinstance(c, _rewrite.RolledCall) and c.members[0].op is ops[0]
-                   for c in _ffi._calls.values())
+    assert not loops_since(before)
 
 
 def test_a_program_that_skips_a_host_call_raises():

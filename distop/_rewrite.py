@@ -1023,10 +1023,11 @@ class _Loop:
     """A stretch of `m` repetitions of `k` equations from `start` on, and how each
     repetition's inputs and outputs connect (see `_loop`)."""
 
-    def __init__(self, start, k, m, kinds, carried, needed):
+    def __init__(self, start, k, m, kinds, starts, needed):
         self.start, self.k, self.m, self.stop = start, k, m, start + k * m
         self.kinds = kinds  # (eqn, argument) -> kind of what the argument reads
-        self.carried = carried  # the (eqn, result) read by the next repetition, in order
+        self.starts = starts  # (eqn, result) read by the next repetition -> first value
+        self.carried = sorted(starts)  # those (eqn, result), in order
         # (eqn, result) read after the stretch -> whether from a repetition before the
         # last (else the last one's, which the carry may give)
         self.needed = needed
@@ -1034,12 +1035,11 @@ class _Loop:
 
 def rolled(closed_jaxpr, repeats=None):
     """Roll every stretch of a lean program that repeats at least `repeats` (default
-    `REPEATS`) times (the
-    same operations on values of the same shapes, each repetition reading the one
-    before it the same way, as `for _ in range(n): y = f(op(y))` gives) into one
-    `lax.scan`: XLA compiles one repetition instead of all of them. Each lean call of
-    the stretch becomes one `RolledCall`; the token runs through the loop's carry, so
-    the calls still run one at a time, in the same order, each once.
+    `REPEATS`) times (the same operations on values of the same shapes, each repetition
+    reading the one before it the same way, as `for _ in range(n): y = f(op(y))`
+    gives) into one `lax.scan`: XLA compiles one repetition instead of all of them. Each
+    lean call of the stretch becomes one `RolledCall`; the token runs through the loop's
+    carry, so the calls still run one at a time, in the same order, each once.
 
     **Returns:** `(ClosedJaxpr, RolledCalls)`, or None if nothing repeats (or the
     program has effects besides its lean calls). Values agree with the calls one by
@@ -1149,7 +1149,6 @@ def _loop(eqns, start, k, m, where, readers):
             for p, v in enumerate(eqns[start + j * k + r].outvars):
                 if any(u >= stop for u in readers.get(v, ())):
                     needed[(r, p)] = needed.get((r, p), False) or j < m - 1
-    carried = sorted({kind[1:] for kind in kinds.values() if kind[0] == "carry"})
     starts = {}
     for (r, q), kind in kinds.items():
         if kind[0] == "carry":  # the arguments carried from one result start alike
@@ -1158,7 +1157,7 @@ def _loop(eqns, start, k, m, where, readers):
                     or v.aval.shape != produced.aval.shape
                     or v.aval.dtype != produced.aval.dtype):
                 return None, 0
-    return _Loop(start, k, m, kinds, carried, needed), m
+    return _Loop(start, k, m, kinds, starts, needed), m
 
 
 def _kinds(eqns, start, k, m, where):
@@ -1243,11 +1242,7 @@ def _run_loop(eqns, loop, read, env, stacked):
     body = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, body_eqns, debug_info=info),
                                     []))
     fixed = [value for _, value in invariants]
-    init = []
-    for c in loop.carried:  # the value each carried result starts from
-        slot = next(s for s, kind in loop.kinds.items() if kind[0] == "carry"
-                    and kind[1:] == c)
-        init.append(read(eqns[start + slot[0]].invars[slot[1]]))
+    init = [read(loop.starts[c]) for c in loop.carried]
 
     def step(carry, x):
         results = body(*carry, *x, *fixed)

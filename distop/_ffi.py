@@ -95,6 +95,11 @@ class _Api(C.Structure):
 
 
 _DATA = _Buffer.data.offset
+# The agreement across ranks that the program running now is the one they all run, when
+# its first call makes it (`Problem` sets it around the program; None: none pending):
+# an object whose `settle()` makes it once, on its first call, and returns whether the
+# ranks disagree.
+agreement = None
 _plans = {}  # call_id -> the _Slots of its arguments, of its results
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
 # memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
@@ -199,6 +204,13 @@ def _handler(frame_pointer):
                                        _plan(ret_values, frame.rets.size, True))
         args = _arrays(arg_values, plans[0])
         rets = _arrays(ret_values, plans[1])
+        if agreement is not None and agreement.settle():
+            # The ranks do not agree on this program: no method runs, on any rank
+            # (each one's first call finds it out), and the results are zeros.
+            rets[0][()] = float(args[0]) + 1.0
+            for out in rets[1:]:
+                out[...] = 0
+            return None
         results = call(*args[1:], out=rets[1:])
         rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
         for out, result in zip(rets[1:], results):
@@ -309,11 +321,18 @@ def chained(closed_jaxpr):
 
 def has_lean(eqn):
     """Whether a lean call sits inside `eqn` (a loop, branch or call of its own)."""
+    return anywhere(inner_eqns(eqn), lambda e: getattr(e.params.get("call"), "lean", False))
+
+
+def anywhere(eqns, test):
+    """Whether `test(eqn)` holds for one of `eqns` or an equation inside one of them."""
+    return any(test(e) or anywhere(inner_eqns(e), test) for e in eqns)
+
+
+def inner_eqns(eqn):
+    """The equations of the programs inside `eqn` (a loop's body, a branch's cases)."""
     for value in eqn.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
             inner = getattr(sub, "jaxpr", sub)
-            if hasattr(inner, "eqns") and any(
-                    getattr(e.params.get("call"), "lean", False) or has_lean(e)
-                    for e in inner.eqns):
-                return True
-    return False
+            if hasattr(inner, "eqns"):
+                yield from inner.eqns

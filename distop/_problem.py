@@ -88,6 +88,7 @@ class Program:
     make_extra: object = tuple
     checker: object = None
     calls: int = 0  # lean host calls per run: each adds one to the token
+    ahead: bool = False  # whether its first host call may make the ranks' agreement
     _extra: tuple | None = None
     _plan: tuple | None = None
 
@@ -169,6 +170,9 @@ class Problem:
         self.input_names = tuple(self._point)
         self._layouts = {}
         self._fixed = {}
+        self._guesses = {}  # (shapes, request) -> the block sizes they were agreed with
+        self._pending = None  # the `_Agreement` a program is to make
+        self._gathered = None  # every rank's part of an agreement made, for `_layout`
         self._programs = {}
         self._device = {}
         self._traced_run = None  # (inputs, traced run program) of the newest layout
@@ -264,8 +268,8 @@ class Problem:
         `Problem(copy=...)` says otherwise (JAX arrays, being immutable, are shared).
         """
         point, refused = self._moved("run", inputs)
-        layout = self._layout(point, ("run",), refused)
-        outs = self._execute(self._program("run", (), layout), point)
+        outs = self._agreed(lambda: self._execute(self._program(
+            "run", (), self._layout(point, ("run",), refused, ahead=True)), point))
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **outs}, "run")
         self._point = point
@@ -292,12 +296,17 @@ class Problem:
         (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag`
         of it as two outputs for both parts.
         """
-        layout, of, wrt = self._totals_request("compute_totals", self._point, of, wrt, mode,
-                                               return_format)
-        if not of or not wrt:
+        def attempt():
+            layout, names, ins = self._totals_request("compute_totals", self._point, of,
+                                                      wrt, mode, return_format)
+            if not names or not ins:
+                return layout, names, ins, None
+            program = self._program("compute_totals", (mode, names, ins), layout)
+            return layout, names, ins, self._execute(program, self._point)
+
+        layout, of, wrt, cts = self._agreed(attempt)
+        if cts is None:
             return {}
-        program = self._program("compute_totals", (mode, of, wrt), layout)
-        cts = self._execute(program, self._point)
         return _totals.assemble(self, layout, cts, of, wrt, return_format)
 
     def run_and_compute_totals(self, of=None, wrt=None, *, inputs=None, mode="batched",
@@ -318,16 +327,23 @@ class Problem:
         """
         point, refused = self._moved("run_and_compute_totals",
                                      {} if inputs is None else inputs, keywords=False)
-        layout, of, wrt = self._totals_request("run_and_compute_totals", point, of, wrt,
-                                               mode, return_format, refused)
+
+        def attempt():
+            layout, names, ins = self._totals_request("run_and_compute_totals", point, of,
+                                                      wrt, mode, return_format, refused)
+            if not names or not ins:  # nothing to differentiate: `run`'s program
+                return layout, names, ins, self._execute(self._program("run", (), layout),
+                                                         point)
+            return layout, names, ins, self._execute(self._program(
+                "compute_totals", (mode, names, ins, True), layout), point)
+
+        layout, of, wrt, out = self._agreed(attempt)
         if of and wrt:
-            out = self._execute(self._program("compute_totals", (mode, of, wrt, True),
-                                              layout), point)
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
             totals = _totals.assemble(self, layout, {k: out["total", k] for k in wrt}, of,
                                       wrt, return_format)
-        else:  # nothing to differentiate: `run`'s program, on the request agreed above
-            values, totals = self._execute(self._program("run", (), layout), point), {}
+        else:
+            values, totals = out, {}
         if self.check_replicated:
             _totals.check_replicated(self, {**point, **values}, "run_and_compute_totals")
         self._point = point
@@ -388,7 +404,7 @@ class Problem:
         key = _totals.request_key
         request = (method, key(of, names=True), key(wrt, names=True), key(mode),
                    key(return_format))
-        layout = self._layout(point, request, refused)
+        layout = self._layout(point, request, refused, ahead=True)
         of = self._names(method, "of", of, self.output_names,
                          layout.differentiable["outputs"])
         wrt = self._names(method, "wrt", wrt, self.input_names,
@@ -530,7 +546,7 @@ class Problem:
                 seeds[name] = np.zeros((total,) + spec.shape, jax.dtypes.float0)
         return {name: seeds[name] for name in layout.outputs}
 
-    def _layout(self, point, request, refused=None):
+    def _layout(self, point, request, refused=None, ahead=False):
         """Agree with every rank on the request (the entry point and its arguments) and
         the shapes of `point` (one small collective per call), and return its `Layout`
         (traced once per new shapes, on every rank).
@@ -538,7 +554,11 @@ class Problem:
         `refused`: the error of an argument this rank refused (then `point` is the
         current one). This rank takes its place in the agreement with a mark instead of
         a request and raises the error; the other ranks raise a `DistopError` naming it.
-        No rank runs the call, and none waits for another."""
+        No rank runs the call, and none waits for another.
+
+        `ahead`: the caller runs inside `_agreed`, so the agreement may be left to the
+        program (see `_Agreement`): for a request and shapes seen before, the layout
+        of the other ranks' block sizes of last time is returned at once."""
         if refused is None and x64_enabled() != self._x64:
             point, refused = self._point, DistopError(
                 f"{request[0]}: this Problem was made with jax_enable_x64="
@@ -559,11 +579,15 @@ class Problem:
                 fixed = self._fixed[local, request] = (
                     (request, shapes, self._serial),
                     _stable_hash((self._serial, request, shapes)))
-            mine = np.array([fixed[1]] + [point[k].shape[0] for k in dist_inputs],
-                            dtype=np.int64)
-            every = np.empty((self.comm.Get_size(), mine.size), np.int64)
-            with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
-                self.comm.Allgather(mine, every)
+            own = [point[k].shape[0] for k in dist_inputs]
+            every, self._gathered = self._gathered, None
+            if every is None:
+                guess = self._guesses.get((local, request)) if ahead and refused is None \
+                    else None
+                if guess is not None:
+                    self._pending = _Agreement(self.comm, [fixed[1], guess[1], *own], guess[0])
+                    return self._layouts[local, guess[0]]
+                every = _Agreement(self.comm, [fixed[1], -1, *own]).gather()
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
                 others = [f"  rank {r}: {s}" for r, (c, s, _) in enumerate(shapes)
@@ -583,7 +607,9 @@ class Problem:
                     + "\nCall the same methods with the same arguments and shapes on every "
                     "rank; only inputs named in Problem(distributed=...) may differ, and "
                     "only in axis 0.")
-            counts = tuple(map(tuple, every[:, 1:].T.tolist()))
+            counts = _counts(every)
+            if ahead:
+                self._guesses[local, request] = (counts, _stable_hash(counts))
         if refused is not None:  # (every rank refused, or there is only this one)
             raise refused
         key = (local, counts)
@@ -637,6 +663,8 @@ class Problem:
         key = (name, options, id(layout))
         found = self._programs.get(key)
         if found is None:
+            if self._settled_missed():  # (building one communicates: agree first)
+                raise _Missed
             with _collector_paused():
                 found = self._new_program(key, name, options, layout, make_extra)
         return found
@@ -679,8 +707,14 @@ class Problem:
         checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
         calls = _rewrite.lean_calls(jaxpr.jaxpr)
+        # Its first host call may make the agreement (see `_Agreement`) where nothing
+        # else in it runs host code (a callback of the model's own, which could
+        # communicate before it) and it ends whatever its calls return (no while loop,
+        # whose condition could read the zeros of calls that did not run).
+        ahead = bool(calls) and checker is None and not jaxpr.jaxpr.effects and not \
+            _ffi.anywhere(jaxpr.jaxpr.eqns, lambda e: e.primitive.name in _NOT_AHEAD)
         found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              len(calls))
+                                              len(calls), ahead)
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
         return found
@@ -811,10 +845,44 @@ class Problem:
                                  fn.trace(token, layout.inputs, *specs)))
         return fn, outputs, traced.jaxpr
 
-    def _execute(self, program, point):
+    def _agreed(self, attempt):
+        """`attempt()`, an entry point's work from its `_layout(..., ahead=True)` on,
+        with the agreement that layout left pending made (by the program, or here after
+        it): where the ranks turn out not to agree (different requests, or other block
+        sizes than the layout's), the attempt is made again with what every rank sent,
+        as if agreed first (then raising on every rank, or running the right program)."""
         try:
-            *packed, self._token = program.fn(self._token, self._on_device(point),
-                                              *program.extra)
+            result = attempt()
+        except _Missed:
+            pass
+        except BaseException:
+            if not self._settled_missed():  # (raised before the agreement was made, say)
+                raise
+        else:
+            if not self._settled_missed():
+                return result
+        return attempt()
+
+    def _settled_missed(self):
+        """Make the pending agreement, if there is one. **Returns:** whether the ranks
+        disagree (then `_layout` finds what they sent in `_gathered`)."""
+        pending, self._pending = self._pending, None
+        if pending is None or not pending.settle():
+            return False
+        self._gathered = pending.every
+        return True
+
+    def _execute(self, program, point):
+        ahead = self._pending is not None and program.ahead
+        if self._pending is not None and not ahead and self._settled_missed():
+            raise _Missed
+        _ffi.agreement = self._pending if ahead else None
+        try:
+            try:
+                *packed, self._token = program.fn(self._token, self._on_device(point),
+                                                  *program.extra)
+            finally:
+                _ffi.agreement = None
             values = _unpack(packed, program.plan)
             if program.calls:
                 # (float() of a JAX array costs ten times more than through numpy)
@@ -827,6 +895,8 @@ class Problem:
                         "Problem(..., backend='io_callback') avoids the lean path.")
                 if self._calls >= _ffi.TOKEN_RESTART:
                     self._token, self._calls = jnp.zeros((), self._token.dtype), 0
+            if self._settled_missed():
+                raise _Missed
             if program.checker is not None:
                 # A rank whose program skipped a collective (rank-dependent control flow)
                 # meets the others' next collective here, and every rank raises.
@@ -1059,6 +1129,58 @@ def _seed_groups(layout):
 _REUSES = 8  # (see `Problem._on_device`)
 _serials = {}  # private communicator's handle -> count of the Problems made on it
 _REFUSED = "refused"  # (see `Problem._layout`)
+
+
+_NOT_AHEAD = ("while", "pure_callback")  # (see `Program.ahead`)
+
+
+class _Agreement:
+    """The agreement of one call of an entry point across ranks. Every rank sends
+    (`mine`) the hash of its request and shapes, the hash of the block sizes its
+    layout was made for (-1 where it has made no layout yet) and the block sizes of
+    its distributed inputs. The ranks have agreed on a layout made in advance (that of
+    the sizes of the request's last call) when all send the same two hashes and the
+    block sizes are those the layout was made for (`expect`): a test of what every
+    rank sent, so every rank decides alike.
+
+    Made before the program where the rank made no layout in advance, or where the
+    program cannot make it (see `Program.ahead`); else by the program's first host
+    call, right before its method (`_ffi.agreement`): one collective beside the
+    method's own, where one before the program would make the ranks meet once more.
+    Every rank makes it before any method of the call runs, the same single Allgather
+    wherever it is made. Where the ranks disagree, no host call of the program runs a
+    method (each returns zeros), and `Problem._agreed` goes on as if the agreement
+    had been made first."""
+
+    __slots__ = ("comm", "every", "expect", "mine", "missed")
+
+    def __init__(self, comm, mine, expect=None):
+        self.comm, self.mine, self.expect = comm, np.array(mine, np.int64), expect
+        self.every = self.missed = None
+
+    def gather(self):
+        """**Returns:** every rank's `mine`, one row per rank."""
+        every = np.empty((self.comm.Get_size(), self.mine.size), np.int64)
+        with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
+            self.comm.Allgather(self.mine, every)
+        return every
+
+    def settle(self):
+        """Make the agreement, once. **Returns:** whether the ranks disagree."""
+        if self.missed is None:
+            self.every = self.gather()
+            self.missed = bool((self.every[:, :2] != self.mine[:2]).any()
+                               or _counts(self.every) != self.expect)
+        return self.missed
+
+
+class _Missed(Exception):
+    """A program found that the ranks disagree (see `_Agreement`)."""
+
+
+def _counts(every):
+    """Per distributed input, every rank's block size, from the agreement's rows."""
+    return tuple(map(tuple, every[:, 2:].T.tolist()))
 
 
 def _device(array):

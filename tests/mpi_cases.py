@@ -647,6 +647,72 @@ def calls_that_ran_before_still_agree_before_communicating():
         np.testing.assert_array_equal(problem.compute_totals()["f0", "x"], expected[1])
 
 
+class _Squares(distop.DistributedOperator):
+    """y = b * b on this rank's block, no collectives; every call logged."""
+
+    log: list
+
+    def forward(self, comm, b):
+        self.log.append("forward")
+        return b * b
+
+    def vjp(self, comm, y_bar, b):
+        self.log.append("vjp")
+        return 2.0 * b * y_bar
+
+
+@case("core")
+def ranks_that_disagree_on_calls_made_before_run_no_method():
+    log = []
+    op = _Squares(log=log)
+    problem = distop.Problem(lambda b: {"s": distop.AllreduceSum()(jnp.sum(op(b)))},
+                             {"b": np.full(2, 1.0 + rank)}, distributed=["b"])
+    expected = problem.run()["s"], problem.compute_totals()["s", "b"]
+    log.clear()
+    problem.compute_totals()
+    once = list(log)  # the methods one compute_totals calls
+    for _ in range(2):  # both requests made before, on every rank
+        for call, other in ((lambda: problem.run(), lambda: problem.compute_totals()),
+                            (lambda: problem.compute_totals(of="nothing"),
+                             lambda: problem.compute_totals(of="s"))):
+            log.clear()
+            try:  # rank 0 asks for one thing, the others for another
+                call() if rank == 0 else other()
+            except distop.DistopError as err:
+                assert "with different arguments" in str(err), err
+            else:
+                raise AssertionError("no error")
+            assert log == [], log  # no method ran on any rank
+    log.clear()  # every rank is in step again, each call made once
+    assert problem.run()["s"] == expected[0] and log == ["forward"], log
+    np.testing.assert_array_equal(problem.compute_totals()["s", "b"], expected[1])
+    assert log == ["forward"] + once and "vjp" in once, log
+
+
+@case("core")
+def block_sizes_changing_on_some_ranks_after_calls_made_before():
+    log = []
+    op = _Squares(log=log)
+    problem = distop.Problem(lambda b: {"s": distop.AllreduceSum()(jnp.sum(op(b)))},
+                             {"b": np.ones(2)}, distributed=["b"])
+    grown = [3] + [2] * (size - 1)
+    last = [2] * (size - 1) + [1]
+    # the same sizes again; rank 0's block grows and shrinks back, so that ranks
+    # expect different sizes of the same request from their last calls; the last
+    # rank's block shrinks while rank 0's sizes stay what they were
+    once = None  # the methods one run and one compute_totals call
+    for sizes in ([2] * size, [2] * size, grown, [2] * size, grown, grown, [2] * size,
+                  last, [2] * size):
+        b = np.full(sizes[rank], 1.0 + rank)
+        log.clear()
+        assert problem.run(b=b)["s"] == sum(n * (1.0 + r) ** 2 for r, n in enumerate(sizes))
+        J = problem.compute_totals()["s", "b"]
+        np.testing.assert_array_equal(J, [np.concatenate(
+            [np.full(n, 2.0 + 2 * r) for r, n in enumerate(sizes)])])
+        once = once or list(log)
+        assert log == once and "vjp" in once, (sizes, log)
+
+
 @case("core")
 def two_problems_called_on_different_ranks_raise_everywhere():
     # the same operator class, collectives and shapes: only which Problem tells them apart

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Cube, RowScale, loops_since, totals_jaxpr, without_loops
+from jax.experimental import io_callback
 
 import distop
 
@@ -248,6 +249,34 @@ def _chain_model(ops, between):
 
 def _programs(problem):
     return {name: p for (name, *_), p in problem._programs.items()}
+
+
+def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_in_a_call():
+    # (under MPI, such a program's first host call makes the ranks' agreement; the
+    # others make it before they run: see docs/architecture.md)
+    op = dm.DistributedMatvec(dm.setup(6, 1)[0], ordered=True)
+    x0 = np.linspace(-1.0, 1.0, 6)
+
+    def looped(x):  # a while loop whose condition reads the operator's result
+        y = op(x)
+        return {"f": jax.lax.while_loop(lambda c: c < jnp.sum(y), lambda c: c + 1.0, 0.0)}
+
+    def own_callback(x):
+        seen = io_callback(lambda a: a, jax.ShapeDtypeStruct((), x.dtype), jnp.sum(x),
+                           ordered=True)
+        return {"f": jnp.sum(op(x)) + seen}
+
+    models = {"plain": (lambda x: {"f": jnp.sum(op(x))}, True), "looped": (looped, False),
+              "own callback": (own_callback, False),
+              "pure callback": (lambda x: {"f": jnp.sum(op(jax.pure_callback(
+                  np.negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)))}, False)}
+    for name, (model, ahead) in models.items():
+        problem = distop.Problem(model, {"x": x0})
+        problem.run()
+        assert _programs(problem)["run"].ahead is ahead, name
+    problem = distop.Problem(models["plain"][0], {"x": x0}, backend="io_callback")
+    problem.run()
+    assert not _programs(problem)["run"].ahead
 
 
 def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():

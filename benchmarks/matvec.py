@@ -69,6 +69,20 @@ def hand_written(a_local, w, x, batched=True, gradients=True):
     return f, grads
 
 
+def one_dispatch():
+    """**Returns:** a jitted program taking the matvec's x and returning a scalar, made
+    and compiled once: the least JAX work a design that runs its model as one jitted
+    program per call adds to the hand-written script (`hand_and_dispatch`)."""
+    return jax.jit(lambda x: x[0])
+
+
+def hand_and_dispatch(program, a_local, w, x, x_jax, gradients=True):
+    """`hand_written`, after one dispatch of `program` (see `one_dispatch`) on `x_jax`:
+    the floor of any design that runs one JAX program per call, on the same work."""
+    program(x_jax).block_until_ready()
+    return hand_written(a_local, w, x, gradients=gradients)
+
+
 def hand_operators(a_local, w, x, gradients=False):
     """The forward variant by hand: K operator calls on x, each a matvec and its own
     Allreduce, f_k = w_k . y_k; with `gradients`, the K gradients alone (what distop's

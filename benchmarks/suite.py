@@ -27,6 +27,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    OpenMDAO's model makes its two calls in both rows):
    - `hand`: numpy + mpi4py (benchmarks/matvec.py's `hand_written`: one Allreduce, and
      one batched Allreduce for the K gradients);
+   - `hand+jit`: `hand` after one dispatch of a jitted one-line program of x (matvec.py's
+     `hand_and_dispatch`): the least any design that runs the model as one JAX program
+     per call can cost, so `hand+jit/hand` bounds from below what `lean/hand` can reach;
    - `floor`: one jitted program with bare ordered io_callbacks doing the hand-written
      work (matvec.py's `floor_programs`): the floor of a design on ordered io_callbacks;
    - `lean`: distop on its lean path, fusing independent operator calls
@@ -115,9 +118,11 @@ FULL = {"repeat": 50, "objectives": [1, 16, 64], "ops": [10, 100, 1000, 2000],
 QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 100_000],
          "ranks": [1, 2], "chain_ranks": [2], "large_ranks": [2], "timeout": 300,
          "large_size": 100_000}
-MATVEC = ("hand", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax", "openmdao")
+MATVEC = ("hand", "hand+jit", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax",
+          "openmdao")
 MATVEC_ENTRIES = ("run", "compute_totals", "run+totals", "run_and_compute_totals")
-RATIOS = (("lean", "hand"), ("lean", "floor"), ("lean", "mpi4jax"), ("openmdao", "lean"),
+RATIOS = (("lean", "hand"), ("hand+jit", "hand"), ("lean", "hand+jit"), ("lean", "floor"),
+          ("lean", "mpi4jax"), ("openmdao", "lean"),
           ("nofuse", "lean"), ("io_cb", "lean"), ("unord", "lean"))
 
 
@@ -310,7 +315,12 @@ def matvec_case(bench, k):
               for name, v in variants.items()}
     hand = (lambda: bench.mv.hand_written(a_local, w, x0, gradients=False),
             lambda: bench.mv.hand_written(a_local, w, x0))
-    calls = {"hand": (*hand, hand[1], hand[1])}
+    program, x_jax = bench.mv.one_dispatch(), jnp.asarray(x0)
+    program(x_jax).block_until_ready()  # (compiled before the timed calls)
+    jit = (lambda: bench.mv.hand_and_dispatch(program, a_local, w, x0, x_jax,
+                                              gradients=False),
+           lambda: bench.mv.hand_and_dispatch(program, a_local, w, x0, x_jax))
+    calls = {"hand": (*hand, hand[1], hand[1]), "hand+jit": (*jit, jit[1], jit[1])}
     calls.update({name: timed_calls(v) for name, v in variants.items()})
     return {"K": k, "median": bench.interleaved(calls), "first": first, "error": errors,
             "calls": {n: host_calls(v) for n, v in variants.items()

@@ -98,7 +98,7 @@ _DATA = _Buffer.data.offset
 # The agreement across ranks that the program running now is the one they all run, when
 # its first call makes it (`Problem` sets it around the program; None: none pending):
 # an object whose `settle()` makes it once, on its first call, and returns whether the
-# ranks disagree.
+# ranks disagree. Where they agree, that call sets it back to None for the rest.
 agreement = None
 _plans = {}  # call_id -> the _Slots of its arguments, of its results
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
@@ -183,6 +183,7 @@ def _arrays(values, slots):
 
 
 def _handler(frame_pointer):
+    global agreement
     frame = frame_pointer.contents
     try:
         extension = frame.extension_start
@@ -204,15 +205,16 @@ def _handler(frame_pointer):
                                        _plan(ret_values, frame.rets.size, True))
         args = _arrays(arg_values, plans[0])
         rets = _arrays(ret_values, plans[1])
-        if agreement is not None and agreement.settle():
-            # The ranks do not agree on this program: no method runs, on any rank
-            # (each one's first call finds it out), and the results are zeros.
-            rets[0][()] = float(args[0]) + 1.0
-            for out in rets[1:]:
-                out[...] = 0
-            return None
-        results = call(*args[1:], out=rets[1:])
         rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
+        if agreement is not None:
+            if agreement.settle():
+                # The ranks do not agree on this program: no method runs, on any rank
+                # (each one's first call finds it out), and the results are zeros.
+                for out in rets[1:]:
+                    out[...] = 0
+                return None
+            agreement = None  # (agreed: the program's later calls need not ask)
+        results = call(*args[1:], out=rets[1:])
         for out, result in zip(rets[1:], results):
             if result is not out:
                 # (numpy skips the copy when `result` is `out`'s memory: written in place)

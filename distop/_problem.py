@@ -873,10 +873,9 @@ class Problem:
         return True
 
     def _execute(self, program, point):
-        ahead = self._pending is not None and program.ahead
-        if self._pending is not None and not ahead and self._settled_missed():
+        if self._pending is not None and not program.ahead and self._settled_missed():
             raise _Missed
-        _ffi.agreement = self._pending if ahead else None
+        _ffi.agreement = self._pending  # (still pending only where the program makes it)
         try:
             try:
                 *packed, self._token = program.fn(self._token, self._on_device(point),

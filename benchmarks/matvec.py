@@ -69,6 +69,57 @@ def hand_written(a_local, w, x, batched=True, gradients=True):
     return f, grads
 
 
+class _BareCall:
+    """A host call for distop's FFI target with none of distop's own work: XLA's
+    buffers as numpy views in, `work(*args, out)` writes the result."""
+
+    lean = True
+
+    def __init__(self, work):
+        self.work, self.ffi_id = work, None
+
+    def __call__(self, *args, out):
+        self.work(*args, out[0])
+        return out
+
+
+def ffi_floor_programs(a_local, w, size):
+    """`floor_programs` on distop's FFI host call instead of io_callback: the same jnp
+    work, each host call a bare call of the FFI target (its Python handler, numpy views
+    of XLA's buffers, the token chain) doing only the hand-written work, with nothing
+    of distop's own (no checks, no Problem): the floor of the lean path.
+
+    **Returns:** `(run, totals)`, each a function of x."""
+    from distop import _ffi
+
+    def forward(x, y):
+        comm.Allreduce(a_local @ x, y, op=MPI.SUM)
+
+    def backward(y_bar, x_bar):
+        comm.Allreduce(np.ascontiguousarray((transpose(a_local) @ y_bar.T).T), x_bar,
+                       op=MPI.SUM)
+
+    token = jnp.zeros((), jnp.float64)
+    ids = [_ffi.register(_BareCall(work)) for work in (forward, backward)]
+
+    def host(which, shape, *args):
+        call = jax.ffi.ffi_call(_ffi.TARGET, (jax.ShapeDtypeStruct((), jnp.float64),
+                                             jax.ShapeDtypeStruct(shape, jnp.float64)))
+        return call(*args, call_id=np.int64(ids[which]))
+
+    def run(t, x):
+        t, y = host(0, (size,), t, x)
+        return w @ y, t
+
+    def totals(t, x):
+        t, y = host(0, (size,), t, x)
+        t, grads = host(1, w.shape, t, jnp.eye(w.shape[0]) @ w)
+        return (w @ y, grads), t
+
+    run, totals = jax.jit(run), jax.jit(totals)
+    return (lambda x: run(token, x)[0]), (lambda x: totals(token, x)[0])
+
+
 def one_dispatch():
     """**Returns:** a jitted program taking the matvec's x and returning a scalar, made
     and compiled once: the least JAX work a design that runs its model as one jitted

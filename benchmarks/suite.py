@@ -32,6 +32,11 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
      per call can cost, so `hand+jit/hand` bounds from below what `lean/hand` can reach;
    - `floor`: one jitted program with bare ordered io_callbacks doing the hand-written
      work (matvec.py's `floor_programs`): the floor of a design on ordered io_callbacks;
+   - `ffi`: the same program with distop's FFI host call in place of each io_callback
+     (matvec.py's `ffi_floor_programs`): its Python handler, numpy views of XLA's
+     buffers and the token chain, calling the hand-written work with none of distop's
+     own (checks, agreement, Problem): the floor of the lean path, so `lean/ffi` is
+     what distop itself adds and `ffi/hand` what the mechanism costs;
    - `lean`: distop on its lean path, fusing independent operator calls
      (`Problem(fuse=True)`, the default); `nofuse`: the same with `fuse=False`;
    - `io_cb`: distop with `backend="io_callback"`;
@@ -118,10 +123,11 @@ FULL = {"repeat": 50, "objectives": [1, 16, 64], "ops": [10, 100, 1000, 2000],
 QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 100_000],
          "ranks": [1, 2], "chain_ranks": [2], "large_ranks": [2], "timeout": 300,
          "large_size": 100_000}
-MATVEC = ("hand", "hand+jit", "floor", "lean", "nofuse", "io_cb", "unord", "mpi4jax",
+MATVEC = ("hand", "hand+jit", "floor", "ffi", "lean", "nofuse", "io_cb", "unord", "mpi4jax",
           "openmdao")
 MATVEC_ENTRIES = ("run", "compute_totals", "run+totals", "run_and_compute_totals")
-RATIOS = (("lean", "hand"), ("hand+jit", "hand"), ("lean", "hand+jit"), ("lean", "floor"),
+RATIOS = (("lean", "hand"), ("hand+jit", "hand"), ("ffi", "hand"), ("lean", "ffi"),
+          ("lean", "floor"),
           ("lean", "mpi4jax"), ("openmdao", "lean"),
           ("nofuse", "lean"), ("io_cb", "lean"), ("unord", "lean"))
 
@@ -276,7 +282,8 @@ def matvec_variants(bench, k):
     """
     dm, size = bench.dm, bench.args.size
     data = a_local, _, x0, w = dm.setup(size, k, bench.comm)
-    variants = {"floor": Jitted(*bench.mv.floor_programs(a_local, w, size), x0)}
+    variants = {"floor": Jitted(*bench.mv.floor_programs(a_local, w, size), x0),
+                "ffi": Jitted(*bench.mv.ffi_floor_programs(a_local, w, size), x0)}
     if bench.mpi4jax is not None:
         variants["mpi4jax"] = Jitted(*mpi4jax_programs(bench, a_local, w), x0)
     first = {name: v.first_calls(bench.mv) for name, v in variants.items()}

@@ -39,16 +39,16 @@ def test_matvec_section_compares_every_variant_on_the_same_values(tmp_path):
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "lean/hand" in proc.stdout and "openmdao/lean" in proc.stdout, proc.stdout
-    assert "hand+jit/hand" in proc.stdout and "lean/hand+jit" in proc.stdout, proc.stdout
+    assert "hand+jit/hand" in proc.stdout and "lean/ffi" in proc.stdout, proc.stdout
     assert "run_and_compute_totals" in proc.stdout, proc.stdout
     results = json.loads(out.read_text())
     assert not results["failures"]
     rows = results["results"]["matvec"]["2"]["rows"]
     assert [row["K"] for row in rows] == [1, 2]
     for row in rows:
-        assert {"hand", "hand+jit", "floor", "lean", "nofuse", "io_cb",
+        assert {"hand", "hand+jit", "floor", "ffi", "lean", "nofuse", "io_cb",
                 "openmdao"} <= set(row["median"])
         # every ordered variant, and OpenMDAO, gets the dense reference's values and
         # gradients (the unordered one may not: that is what it shows)
-        for name in ("floor", "lean", "nofuse", "io_cb", "openmdao"):
+        for name in ("floor", "ffi", "lean", "nofuse", "io_cb", "openmdao"):
             assert row["error"][name] < 1e-12, (name, row["error"])

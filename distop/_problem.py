@@ -880,6 +880,10 @@ class Problem:
             try:
                 *packed, self._token = program.fn(self._token, self._on_device(point),
                                                   *program.extra)
+                if _ffi.agreement is not None:
+                    # Not made yet: with JAX's async dispatch the program may still run
+                    # on an XLA thread, and its first host call must find the agreement.
+                    self._token.block_until_ready()
             finally:
                 _ffi.agreement = None
             values = _unpack(packed, program.plan)

@@ -6,7 +6,9 @@ aborts the whole job (so no rank waits forever) and the test sees a non-zero exi
 
 import fractions
 import logging
+import os
 import sys
+import threading
 import time
 
 import jax
@@ -711,6 +713,57 @@ def block_sizes_changing_on_some_ranks_after_calls_made_before():
             [np.full(n, 2.0 + 2 * r) for r, n in enumerate(sizes)])])
         once = once or list(log)
         assert log == once and "vjp" in once, (sizes, log)
+
+
+class _ThreadLogged(distop.DistributedOperator):
+    """y = sum over ranks of b * b (an Allreduce in forward and vjp); every call logged
+    with the name of the thread it ran on."""
+
+    log: list
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+
+    def forward(self, comm, b):
+        self.log.append(("forward", threading.current_thread().name))
+        out = np.empty_like(b)
+        comm.Allreduce(b * b, out, op=MPI.SUM)
+        return out
+
+    def vjp(self, comm, y_bar, b):
+        self.log.append(("vjp", threading.current_thread().name))
+        out = np.empty_like(b)
+        comm.Allreduce(2.0 * b * y_bar, out, op=MPI.SUM)
+        return out
+
+
+@case("core")
+@case("async")
+def ranks_that_disagree_run_no_method_on_any_thread():
+    # With JAX's async dispatch kept (the "async" launch: DISTOP_ASYNC_DISPATCH=1), XLA
+    # runs a program of more than about 1000 flops on a thread of its own, after the
+    # call that dispatched it has returned; its first host call must still make the
+    # ranks' agreement before any method runs.
+    log = []
+    op = _ThreadLogged(log=log)
+    m = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8)
+    problem = distop.Problem(lambda b: {"s": jnp.sum(op(m @ (m @ b)))}, {"b": np.ones(64)})
+    expected = problem.run()["s"], problem.compute_totals()["s", "b"]
+    threads = {thread for _, thread in log}
+    assert (threads != {"MainThread"}) == (os.environ.get("DISTOP_ASYNC_DISPATCH") == "1"), \
+        threads
+    for _ in range(4):  # both requests made before, on every rank
+        log.clear()
+        try:  # rank 0 runs, the others compute totals: both start an Allreduce of 64
+            problem.run() if rank == 0 else problem.compute_totals()
+        except distop.DistopError as err:
+            assert "different entry points" in str(err), err
+        else:
+            raise AssertionError("no error")
+        assert log == [], log  # no method ran on any rank
+    log.clear()  # in step again: each method once per call
+    assert problem.run()["s"] == expected[0]
+    np.testing.assert_array_equal(problem.compute_totals()["s", "b"], expected[1])
+    assert [phase for phase, _ in log] == ["forward", "vjp"], log
 
 
 @case("core")

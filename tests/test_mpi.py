@@ -33,6 +33,12 @@ def test_cases_on_the_io_callback_backend():
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
+def test_cases_with_jax_async_dispatch(nprocs):
+    run_mpi(nprocs, TESTS / "mpi_cases.py", "async", timeout=300,
+            env={"DISTOP_ASYNC_DISPATCH": "1"})
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
 def test_distributed_cases(nprocs):
     run_mpi(nprocs, TESTS / "mpi_distributed.py", timeout=300)
 

@@ -878,18 +878,23 @@ class Problem:
         _ffi.agreement = self._pending  # (still pending only where the program makes it)
         try:
             try:
-                *packed, self._token = program.fn(self._token, self._on_device(point),
-                                                  *program.extra)
+                *packed, token = program.fn(self._token, self._on_device(point),
+                                            *program.extra)
                 if _ffi.agreement is not None:
                     # Not made yet: with JAX's async dispatch the program may still run
                     # on an XLA thread, and its first host call must find the agreement.
-                    self._token.block_until_ready()
+                    token.block_until_ready()
             finally:
                 _ffi.agreement = None
             values = _unpack(packed, program.plan)
+            # Kept only once the program has ended well: with JAX's async dispatch a host
+            # call's error arrives here, in the token too, and every later program would
+            # fail with it. (float() of a JAX array costs ten times more than through
+            # numpy.)
+            count = float(np.asarray(token))
+            self._token = token
             if program.calls:
-                # (float() of a JAX array costs ten times more than through numpy)
-                calls, self._calls = self._calls, float(np.asarray(self._token))
+                calls, self._calls = self._calls, count
                 if self._calls - calls != program.calls:
                     raise DistopError(
                         f"rank {self.comm.Get_rank()}: the program made "

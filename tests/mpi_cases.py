@@ -766,6 +766,56 @@ def ranks_that_disagree_run_no_method_on_any_thread():
     assert [phase for phase, _ in log] == ["forward", "vjp"], log
 
 
+class _FailsOnce(distop.DistributedOperator):
+    """An allreduce-sum whose forward raises on the last rank while `fail` holds True."""
+
+    fail: list
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        if self.fail[0] and comm.Get_rank() == comm.Get_size() - 1:
+            raise RuntimeError("fails once")
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    def vjp(self, comm, y_bar, x):
+        out = np.empty_like(y_bar)
+        comm.Allreduce(y_bar, out, op=MPI.SUM)
+        return out
+
+
+@case("core")
+@case("async")
+def a_problem_whose_call_failed_everywhere_runs_again():
+    # The checking mode makes one rank's failure an error on every rank; the Problem
+    # must then run as before. With JAX's async dispatch kept, XLA reports the failure
+    # after the dispatch returned, in the program's outputs, the token among them.
+    before = distop.configure().check_collectives
+    distop.configure(check_collectives=True)  # (for programs traced from now on)
+    try:
+        fail = [False]
+        op = _FailsOnce(fail=fail)
+        m = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)) / 8)
+        problem = distop.Problem(lambda b: {"s": jnp.sum(op(m @ (m @ b)))},
+                                 {"b": np.ones(64)})
+        expected = problem.run()["s"], problem.compute_totals()["s", "b"]
+        fail[0] = True
+        try:
+            problem.run()
+        except (distop.OperatorError, distop.CollectiveMismatchError) as err:
+            assert "fails once" in str(err) or "mismatch" in str(err), err
+        else:
+            raise AssertionError("no error")
+        fail[0] = False
+        for _ in range(2):
+            assert problem.run()["s"] == expected[0]
+            np.testing.assert_array_equal(problem.compute_totals()["s", "b"], expected[1])
+    finally:
+        distop.configure(check_collectives=before)
+
+
 @case("core")
 def two_problems_called_on_different_ranks_raise_everywhere():
     # the same operator class, collectives and shapes: only which Problem tells them apart

@@ -708,11 +708,12 @@ class Problem:
                    and self.comm.Get_size() > 1 else None)
         calls = _rewrite.lean_calls(jaxpr.jaxpr)
         # Its first host call may make the agreement (see `_Agreement`) where nothing
-        # else in it runs host code (a callback of the model's own, which could
-        # communicate before it) and it ends whatever its calls return (no while loop,
-        # whose condition could read the zeros of calls that did not run).
+        # else in it runs host code (a callback or FFI call of the model's own, which
+        # could communicate before it, or a call of an operator set to ordered=False,
+        # which XLA may run before it) and it ends whatever its calls return (no while
+        # loop, whose condition could read the zeros of calls that did not run).
         ahead = bool(calls) and checker is None and not jaxpr.jaxpr.effects and not \
-            _ffi.anywhere(jaxpr.jaxpr.eqns, lambda e: e.primitive.name in _NOT_AHEAD)
+            _ffi.anywhere(jaxpr.jaxpr.eqns, _not_ahead)
         found = self._programs[key] = Program(fn, schedule, outputs, make_extra, checker,
                                               len(calls), ahead)
         # the lean call sites live as long as the program
@@ -1139,7 +1140,14 @@ _serials = {}  # private communicator's handle -> count of the Problems made on 
 _REFUSED = "refused"  # (see `Problem._layout`)
 
 
-_NOT_AHEAD = ("while", "pure_callback")  # (see `Program.ahead`)
+_NOT_AHEAD = ("while", "pure_callback", "ffi_call")  # (see `Program.ahead`)
+
+
+def _not_ahead(eqn):
+    """Whether `eqn` keeps its program from making the agreement in its first host call
+    (see `Problem._new_program`)."""
+    return eqn.primitive.name in _NOT_AHEAD or (
+        eqn.primitive.name == "distop_host_call" and not eqn.params["call"].lean)
 
 
 class _Agreement:

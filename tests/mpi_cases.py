@@ -766,6 +766,43 @@ def ranks_that_disagree_run_no_method_on_any_thread():
     assert [phase for phase, _ in log] == ["forward", "vjp"], log
 
 
+class _LocalScale(distop.DistributedOperator):
+    """y = 3 x, no collectives, set to ordered=False; every call logged."""
+
+    log: list
+    ordered = False
+
+    def forward(self, comm, x):
+        self.log.append("local forward")
+        return 3.0 * x
+
+    def vjp(self, comm, y_bar, x):
+        self.log.append("local vjp")
+        return 3.0 * y_bar
+
+
+@case("core")
+def ranks_that_disagree_run_no_unordered_method_either():
+    # XLA may run an unordered call before the program's first ordered one, which would
+    # otherwise make the ranks' agreement: such a program agrees before it runs
+    log = []
+    local = _LocalScale(log=log)
+    problem = distop.Problem(lambda x: {"s": jnp.sum(distop.AllreduceSum()(local(x)) ** 2)},
+                             {"x": np.ones(3)})
+    expected = problem.run()["s"], problem.compute_totals()["s", "x"]
+    for _ in range(2):  # both requests made before, on every rank
+        log.clear()
+        try:
+            problem.run() if rank == 0 else problem.compute_totals()
+        except distop.DistopError as err:
+            assert "different entry points" in str(err), err
+        else:
+            raise AssertionError("no error")
+        assert log == [], log
+    assert problem.run()["s"] == expected[0]
+    np.testing.assert_array_equal(problem.compute_totals()["s", "x"], expected[1])
+
+
 class _FailsOnce(distop.DistributedOperator):
     """An allreduce-sum whose forward raises on the last rank while `fail` holds True."""
 

@@ -266,8 +266,11 @@ def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_i
                            ordered=True)
         return {"f": jnp.sum(op(x)) + seen}
 
+    unordered = dm.DistributedMatvec(dm.setup(6, 1)[0], ordered=False)
     models = {"plain": (lambda x: {"f": jnp.sum(op(x))}, True), "looped": (looped, False),
               "own callback": (own_callback, False),
+              # (XLA may run an unordered call before the first ordered one)
+              "unordered operator": (lambda x: {"f": jnp.sum(op(unordered(x)))}, False),
               "pure callback": (lambda x: {"f": jnp.sum(op(jax.pure_callback(
                   np.negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)))}, False)}
     for name, (model, ahead) in models.items():
@@ -277,6 +280,9 @@ def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_i
     problem = distop.Problem(models["plain"][0], {"x": x0}, backend="io_callback")
     problem.run()
     assert not _programs(problem)["run"].ahead
+    # nor does an FFI call of the model's own (its target could communicate)
+    own_ffi = jax.make_jaxpr(jax.ffi.ffi_call("a_target", jax.ShapeDtypeStruct((), x0.dtype)))
+    assert [distop._problem._not_ahead(e) for e in own_ffi().eqns] == [True]
 
 
 def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():

@@ -168,6 +168,11 @@ class Problem:
             lambda: self._arguments(model, inputs, backend or os.environ.get(
                 "DISTOP_BACKEND", "lean"), copy))
         self.input_names = tuple(self._point)
+        # Every agreement on this communicator sends rows of one width, whichever
+        # Problem the call is of (see `_Agreement`)
+        self._handle = self.comm.py2f()
+        _widths[self._handle] = max(_widths.get(self._handle, 2),
+                                    2 + sum(k in self.distributed for k in self._point))
         self._layouts = {}
         self._fixed = {}
         self._guesses = {}  # (shapes, request) -> the block sizes they were agreed with
@@ -585,9 +590,11 @@ class Problem:
                 guess = self._guesses.get((local, request)) if ahead and refused is None \
                     else None
                 if guess is not None:
-                    self._pending = _Agreement(self.comm, [fixed[1], guess[1], *own], guess[0])
+                    self._pending = _Agreement(self.comm, [fixed[1], guess[1], *own],
+                                               _widths[self._handle], guess[0])
                     return self._layouts[local, guess[0]]
-                every = _Agreement(self.comm, [fixed[1], -1, *own]).gather()
+                every = _Agreement(self.comm, [fixed[1], -1, *own],
+                                   _widths[self._handle]).gather()
             if (every[:, 0] != every[0, 0]).any():
                 shapes = self.comm.allgather(fixed[0])
                 others = [f"  rank {r}: {s}" for r, (c, s, _) in enumerate(shapes)
@@ -607,7 +614,7 @@ class Problem:
                     + "\nCall the same methods with the same arguments and shapes on every "
                     "rank; only inputs named in Problem(distributed=...) may differ, and "
                     "only in axis 0.")
-            counts = _counts(every)
+            counts = _counts(every, len(dist_inputs))
             if ahead:
                 self._guesses[local, request] = (counts, _stable_hash(counts))
         if refused is not None:  # (every rank refused, or there is only this one)
@@ -1137,6 +1144,7 @@ def _seed_groups(layout):
 
 _REUSES = 8  # (see `Problem._on_device`)
 _serials = {}  # private communicator's handle -> count of the Problems made on it
+_widths = {}  # private communicator's handle -> the width of its agreements' rows
 _REFUSED = "refused"  # (see `Problem._layout`)
 
 
@@ -1154,7 +1162,11 @@ class _Agreement:
     """The agreement of one call of an entry point across ranks. Every rank sends
     (`mine`) the hash of its request and shapes, the hash of the block sizes its
     layout was made for (-1 where it has made no layout yet) and the block sizes of
-    its distributed inputs. The ranks have agreed on a layout made in advance (that of
+    its distributed inputs, padded with zeros to the `width` of every agreement on its
+    communicator (the most any Problem made on it sends, the same on every rank: ranks
+    calling Problems with other numbers of distributed inputs then send rows of one
+    size, and raise the error of differing requests instead of MPI's of differing
+    message sizes). The ranks have agreed on a layout made in advance (that of
     the sizes of the request's last call) when all send the same two hashes and the
     block sizes are those the layout was made for (`expect`): a test of what every
     rank sent, so every rank decides alike.
@@ -1168,10 +1180,11 @@ class _Agreement:
     method (each returns zeros), and `Problem._agreed` goes on as if the agreement
     had been made first."""
 
-    __slots__ = ("comm", "every", "expect", "mine", "missed")
+    __slots__ = ("comm", "every", "expect", "mine", "missed", "sizes")
 
-    def __init__(self, comm, mine, expect=None):
-        self.comm, self.mine, self.expect = comm, np.array(mine, np.int64), expect
+    def __init__(self, comm, mine, width, expect=None):
+        self.comm, self.expect, self.sizes = comm, expect, len(mine) - 2
+        self.mine = np.array(mine + [0] * (width - len(mine)), np.int64)
         self.every = self.missed = None
 
     def gather(self):
@@ -1186,7 +1199,7 @@ class _Agreement:
         if self.missed is None:
             self.every = self.gather()
             self.missed = bool((self.every[:, :2] != self.mine[:2]).any()
-                               or _counts(self.every) != self.expect)
+                               or _counts(self.every, self.sizes) != self.expect)
         return self.missed
 
 
@@ -1194,9 +1207,10 @@ class _Missed(Exception):
     """A program found that the ranks disagree (see `_Agreement`)."""
 
 
-def _counts(every):
-    """Per distributed input, every rank's block size, from the agreement's rows."""
-    return tuple(map(tuple, every[:, 2:].T.tolist()))
+def _counts(every, sizes):
+    """Per distributed input (`sizes` of them), every rank's block size, from the
+    agreement's rows."""
+    return tuple(map(tuple, every[:, 2:2 + sizes].T.tolist()))
 
 
 def _device(array):

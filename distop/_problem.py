@@ -805,8 +805,16 @@ class Problem:
             joins = None  # no fusion, or different programs (the schedule check tells)
         else:
             joins = tuple(map(all, zip(*(j for _, j in every))))
-        return self._agree(f"{name}: rewriting the program",
-                           lambda: self._rewrite(found, layout, specs, dropped, joins, spans))
+        rewritten, every = self._agree(
+            f"{name}: rewriting the program",
+            lambda: self._rewrite(found, layout, specs, dropped, joins, spans),
+            share=lambda done: [c.agreeing for c in _fused(done[2])])
+        # Which members of a fused call agree on their nonzero rows follows the data
+        # flow into it, which can depend on a rank's block sizes: those of every rank.
+        for i, call in enumerate(_fused(rewritten[2])):
+            call.agree_on(set.intersection(*(set(e[i]) for e in every)) if
+                          len({len(e) for e in every}) == 1 else ())
+        return rewritten
 
     def _rewrite(self, found, layout, specs, closed, joins, spans):
         from ._operator import host_call_p
@@ -1149,6 +1157,11 @@ _REFUSED = "refused"  # (see `Problem._layout`)
 
 
 _NOT_AHEAD = ("while", "pure_callback", "ffi_call")  # (see `Program.ahead`)
+
+
+def _fused(closed):
+    """**Returns:** the fused calls of a program, in program order."""
+    return [c for c in _rewrite.lean_calls(closed.jaxpr) if isinstance(c, _rewrite.FusedCall)]
 
 
 def _not_ahead(eqn):

@@ -74,6 +74,17 @@ class FusedCall:
             start = mine.stop
         self._agreeing, self._comm = self._members_agreeing_on_rows()
 
+    @property
+    def agreeing(self):
+        """The members that skip zero (co)tangent rows on rows the fused call agrees
+        across ranks, by this rank's wiring (see `agree_on`)."""
+        return self._agreeing
+
+    def agree_on(self, members):
+        """Agree rows for `members` only (the agreeing members of every rank: the
+        Allreduce of `_agree_rows` runs on every rank or none), at least two of them."""
+        self._agreeing = tuple(sorted(members)) if len(members) >= 2 else ()
+
     def __repr__(self):
         return f"fused[{', '.join(map(repr, self.members))}]"
 

@@ -715,24 +715,29 @@ def block_sizes_changing_on_some_ranks_after_calls_made_before():
         assert log == once and "vjp" in once, (sizes, log)
 
 
-class _ThreadLogged(distop.DistributedOperator):
-    """y = sum over ranks of b * b (an Allreduce in forward and vjp); every call logged
-    with the name of the thread it ran on."""
+class _Logged(distop.DistributedOperator):
+    """y = sum over ranks of x (replicated in and out: an Allreduce in forward and vjp);
+    every call logged as (phase, shape of its argument, thread it ran on). While `fail`
+    holds True, the forward raises on the last rank."""
 
     log: list
+    fail: list
     forward_collectives = ("Allreduce",)
     vjp_collectives = ("Allreduce",)
+    batched_vjp = True
 
-    def forward(self, comm, b):
-        self.log.append(("forward", threading.current_thread().name))
-        out = np.empty_like(b)
-        comm.Allreduce(b * b, out, op=MPI.SUM)
+    def forward(self, comm, x):
+        self.log.append(("forward", x.shape, threading.current_thread().name))
+        if self.fail[0] and comm.Get_rank() == comm.Get_size() - 1:
+            raise RuntimeError("fails once")
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
         return out
 
-    def vjp(self, comm, y_bar, b):
-        self.log.append(("vjp", threading.current_thread().name))
-        out = np.empty_like(b)
-        comm.Allreduce(2.0 * b * y_bar, out, op=MPI.SUM)
+    def vjp(self, comm, y_bar, x):
+        self.log.append(("vjp", y_bar.shape, threading.current_thread().name))
+        out = np.empty_like(y_bar)
+        comm.Allreduce(y_bar, out, op=MPI.SUM)
         return out
 
 
@@ -744,11 +749,11 @@ def ranks_that_disagree_run_no_method_on_any_thread():
     # call that dispatched it has returned; its first host call must still make the
     # ranks' agreement before any method runs.
     log = []
-    op = _ThreadLogged(log=log)
+    op = _Logged(log=log, fail=[False])
     m = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8)
     problem = distop.Problem(lambda b: {"s": jnp.sum(op(m @ (m @ b)))}, {"b": np.ones(64)})
     expected = problem.run()["s"], problem.compute_totals()["s", "b"]
-    threads = {thread for _, thread in log}
+    threads = {thread for _, _, thread in log}
     assert (threads != {"MainThread"}) == (os.environ.get("DISTOP_ASYNC_DISPATCH") == "1"), \
         threads
     for _ in range(4):  # both requests made before, on every rank
@@ -761,9 +766,9 @@ def ranks_that_disagree_run_no_method_on_any_thread():
             raise AssertionError("no error")
         assert log == [], log  # no method ran on any rank
     log.clear()  # in step again
-    assert problem.run()["s"] == expected[0] and [p for p, _ in log] == ["forward"], log
+    assert problem.run()["s"] == expected[0] and [p for p, *_ in log] == ["forward"], log
     np.testing.assert_array_equal(problem.compute_totals()["s", "b"], expected[1])
-    assert [p for p, _ in log][-1] == "vjp", log
+    assert [p for p, *_ in log][-1] == "vjp", log
 
 
 class _LocalScale(distop.DistributedOperator):
@@ -803,24 +808,26 @@ def ranks_that_disagree_run_no_unordered_method_either():
     np.testing.assert_array_equal(problem.compute_totals()["s", "x"], expected[1])
 
 
-class _FailsOnce(distop.DistributedOperator):
-    """An allreduce-sum whose forward raises on the last rank while `fail` holds True."""
+@case("core")
+def a_fused_call_agrees_on_rows_only_for_members_wired_alike_on_every_rank():
+    # Two VJPs fused into one host call: on rank 0 the second reads the first's result,
+    # elsewhere both read the seeds (a model whose data flow depends on the rank). Their
+    # schedules are the same; the fused call's Allreduce on the nonzero rows must then
+    # run on every rank or none (it had run on some ranks only: MPI aborted the job).
+    log = []
+    a, b = _Logged(log=log, fail=[False]), _Logged(log=log, fail=[False])
 
-    fail: list
-    forward_collectives = ("Allreduce",)
-    vjp_collectives = ("Allreduce",)
+    def model(x, x2):
+        if rank == 0:
+            return {"f": jnp.sum(b(a(x))), "g": jnp.sum(x2 ** 2), "h": jnp.sum(x)}
+        return {"f": jnp.sum(b(x2)) + jnp.sum(a(x)), "g": jnp.sum(x2 ** 2),
+                "h": jnp.sum(x)}
 
-    def forward(self, comm, x):
-        if self.fail[0] and comm.Get_rank() == comm.Get_size() - 1:
-            raise RuntimeError("fails once")
-        out = np.empty_like(x)
-        comm.Allreduce(x, out, op=MPI.SUM)
-        return out
-
-    def vjp(self, comm, y_bar, x):
-        out = np.empty_like(y_bar)
-        comm.Allreduce(y_bar, out, op=MPI.SUM)
-        return out
+    problem = distop.Problem(model, {"x": np.ones(3), "x2": np.ones(3)})
+    log.clear()
+    problem.compute_totals(of=["f", "g"])
+    rows = [(phase, shape) for phase, shape, _ in log]
+    assert len(set(map(tuple, comm.allgather(rows)))) == 1, rows  # the same everywhere
 
 
 @case("core")
@@ -833,7 +840,7 @@ def a_problem_whose_call_failed_everywhere_runs_again():
     distop.configure(check_collectives=True)  # (for programs traced from now on)
     try:
         fail = [False]
-        op = _FailsOnce(fail=fail)
+        op = _Logged(log=[], fail=fail)
         m = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)) / 8)
         problem = distop.Problem(lambda b: {"s": jnp.sum(op(m @ (m @ b)))},
                                  {"b": np.ones(64)})

@@ -206,8 +206,9 @@ def _handler(frame_pointer):
         args = _arrays(arg_values, plans[0])
         rets = _arrays(ret_values, plans[1])
         rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
-        if agreement is not None:
-            if agreement.settle():
+        pending = agreement
+        if pending is not None:
+            if pending.settle():
                 # The ranks do not agree on this program: no method runs, on any rank
                 # (each one's first call finds it out), and the results are zeros.
                 for out in rets[1:]:

@@ -162,17 +162,17 @@ class Problem:
         self.check_replicated = check_replicated
         self._x64 = x64_enabled()  # the precision its programs are traced in
         self.fuse = _safety.env_flag("DISTOP_FUSE", True) if fuse is None else bool(fuse)
-        # arguments refused on some ranks raise on every rank
-        self.backend, self.copy, self._point = self._agree(
+        # arguments refused on some ranks raise on every rank; every agreement on this
+        # communicator sends rows of one width, the most any rank's Problem sends, whichever
+        # Problem the call is of (see `_Agreement`)
+        (self.backend, self.copy, self._point), widths = self._agree(
             "Problem: checking its arguments",
             lambda: self._arguments(model, inputs, backend or os.environ.get(
-                "DISTOP_BACKEND", "lean"), copy))
+                "DISTOP_BACKEND", "lean"), copy),
+            share=lambda made: 2 + sum(k in self.distributed for k in made[2]))
         self.input_names = tuple(self._point)
-        # Every agreement on this communicator sends rows of one width, whichever
-        # Problem the call is of (see `_Agreement`)
         self._handle = self.comm.py2f()
-        _widths[self._handle] = max(_widths.get(self._handle, 2),
-                                    2 + sum(k in self.distributed for k in self._point))
+        _widths[self._handle] = max(_widths.get(self._handle, 2), *widths)
         self._layouts = {}
         self._fixed = {}
         self._guesses = {}  # (shapes, request) -> the block sizes they were agreed with
@@ -1176,7 +1176,8 @@ class _Agreement:
     (`mine`) the hash of its request and shapes, the hash of the block sizes its
     layout was made for (-1 where it has made no layout yet) and the block sizes of
     its distributed inputs, padded with zeros to the `width` of every agreement on its
-    communicator (the most any Problem made on it sends, the same on every rank: ranks
+    communicator (the most any rank's Problem made on it sends, agreed as each Problem
+    is made, so the same on every rank: ranks
     calling Problems with other numbers of distributed inputs then send rows of one
     size, and raise the error of differing requests instead of MPI's of differing
     message sizes). The ranks have agreed on a layout made in advance (that of

@@ -165,14 +165,20 @@ class Problem:
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends, whichever
         # Problem the call is of (see `_Agreement`)
-        (self.backend, self.copy, self._point), widths = self._agree(
+        (self.backend, self.copy, self._point), every = self._agree(
             "Problem: checking its arguments",
             lambda: self._arguments(model, inputs, backend or os.environ.get(
                 "DISTOP_BACKEND", "lean"), copy),
-            share=lambda made: 2 + sum(k in self.distributed for k in made[2]))
+            share=lambda made: (2 + sum(k in self.distributed for k in made[2]),
+                                sorted(self.distributed)))
+        if any(names != every[0][1] for _, names in every):
+            raise DistopError(
+                "Problem(distributed=...): the ranks named different distributed values:\n"
+                + "\n".join(f"  rank {r}: {names}" for r, (_, names) in enumerate(every))
+                + "\nName the same inputs and outputs on every rank.")
         self.input_names = tuple(self._point)
         self._handle = self.comm.py2f()
-        _widths[self._handle] = max(_widths.get(self._handle, 2), *widths)
+        _widths[self._handle] = max(_widths.get(self._handle, 2), *(w for w, _ in every))
         self._layouts = {}
         self._fixed = {}
         self._guesses = {}  # (shapes, request) -> the block sizes they were agreed with

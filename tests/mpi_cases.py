@@ -879,22 +879,28 @@ def problems_with_other_numbers_of_distributed_inputs_called_on_different_ranks(
             raise AssertionError("no error")
         assert (blocks.run()["f"], plain.run()["f"]) == expected  # in step again
     # a Problem with more distributed inputs than any before made on even ranks, another
-    # on odd ones: the widths are agreed as each is made, so the making raises distop's
-    # error everywhere
-    def make_blocks():
-        return distop.Problem(
-            lambda x, y, z: {"f": distop.AllreduceSum()(jnp.sum(x) + jnp.sum(y) + z[0])},
-            {"x": np.ones(1 + rank), "y": np.ones(2), "z": np.ones(1)},
-            distributed=["x", "y", "z"])
-
-    def make_plain():
-        return distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(x))},
-                              {"x": np.ones(3)})
-
+    # with the same names distributed, two of them its outputs, on odd ones: the widths
+    # are agreed as each is made, so the making raises distop's error everywhere
+    names = ["x", "y", "z"]
     try:
-        [make_blocks, make_plain][rank % 2]()
+        if rank % 2 == 0:
+            distop.Problem(
+                lambda x, y, z: {"f": distop.AllreduceSum()(jnp.sum(x) + jnp.sum(y) + z[0])},
+                {"x": np.ones(1 + rank), "y": np.ones(2), "z": np.ones(1)}, distributed=names)
+        else:
+            distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(x)), "y": x, "z": x},
+                           {"x": np.ones(3)}, distributed=names)
     except distop.DistopError as err:
         assert "different entry points, of different Problems" in str(err), err
+    else:
+        raise AssertionError("no error")
+    # the same Problem with other distributed inputs on odd ranks
+    try:
+        distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(x))}, {"x": np.ones(3)},
+                       distributed=["x"] if rank % 2 else [])
+    except distop.DistopError as err:
+        assert "the ranks named different distributed values" in str(err), err
+        assert "rank 1: ['x']" in str(err) and "rank 0: []" in str(err), err
     else:
         raise AssertionError("no error")
 

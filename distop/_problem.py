@@ -1183,10 +1183,10 @@ class _Agreement:
     layout was made for (-1 where it has made no layout yet) and the block sizes of
     its distributed inputs, padded with zeros to the `width` of every agreement on its
     communicator (the most any rank's Problem made on it sends, agreed as each Problem
-    is made, so the same on every rank: ranks
-    calling Problems with other numbers of distributed inputs then send rows of one
-    size, and raise the error of differing requests instead of MPI's of differing
-    message sizes). The ranks have agreed on a layout made in advance (that of
+    is made, so the same on every rank: ranks calling Problems with other numbers of
+    distributed inputs send rows of one size, and raise the error of differing
+    requests instead of MPI's of differing message sizes). The ranks have agreed on a
+    layout made in advance (that of
     the sizes of the request's last call) when all send the same two hashes and the
     block sizes are those the layout was made for (`expect`): a test of what every
     rank sent, so every rank decides alike.

@@ -715,7 +715,7 @@ def block_sizes_changing_on_some_ranks_after_calls_made_before():
         assert log == once and "vjp" in once, (sizes, log)
 
 
-class _Logged(distop.DistributedOperator):
+class _LoggedSum(distop.DistributedOperator):
     """y = sum over ranks of x (replicated in and out: an Allreduce in forward and vjp);
     every call logged as (phase, shape of its argument, thread it ran on). While `fail`
     holds True, the forward raises on the last rank."""
@@ -749,7 +749,7 @@ def ranks_that_disagree_run_no_method_on_any_thread():
     # call that dispatched it has returned; its first host call must still make the
     # ranks' agreement before any method runs.
     log = []
-    op = _Logged(log=log, fail=[False])
+    op = _LoggedSum(log=log, fail=[False])
     m = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8)
     problem = distop.Problem(lambda b: {"s": jnp.sum(op(m @ (m @ b)))}, {"b": np.ones(64)})
     expected = problem.run()["s"], problem.compute_totals()["s", "b"]
@@ -815,7 +815,7 @@ def a_fused_call_agrees_on_rows_only_for_members_wired_alike_on_every_rank():
     # schedules are the same; the fused call's Allreduce on the nonzero rows must then
     # run on every rank or none (it had run on some ranks only: MPI aborted the job).
     log = []
-    a, b = _Logged(log=log, fail=[False]), _Logged(log=log, fail=[False])
+    a, b = _LoggedSum(log=log, fail=[False]), _LoggedSum(log=log, fail=[False])
 
     def model(x, x2):
         if rank == 0:
@@ -840,7 +840,7 @@ def a_problem_whose_call_failed_everywhere_runs_again():
     distop.configure(check_collectives=True)  # (for programs traced from now on)
     try:
         fail = [False]
-        op = _Logged(log=[], fail=fail)
+        op = _LoggedSum(log=[], fail=fail)
         m = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)) / 8)
         problem = distop.Problem(lambda b: {"s": jnp.sum(op(m @ (m @ b)))},
                                  {"b": np.ones(64)})

@@ -526,9 +526,9 @@ def overhead_section(bench):
     # 6400 flops: above what XLA's CPU client runs inline when dispatch is async
     product = bench.problem(lambda x: {"y": w @ ops[0](x)}, {"x": x})
     one.run(), many.run(), product.run()
-    program = {name: next(v for key, v in p._programs.items() if key[0] == "run")
+    program = {name: next(v for key, v in p._programs.programs.items() if key[0] == "run")
                for name, p in (("one", one), ("many", many), ("product", product))}
-    token, point = one._token, jax.device_put(one._point)  # as on repeated calls
+    token, point = one._executor.token, jax.device_put(one._point)  # as on repeated calls
     empty = jax.jit(lambda t, p: (p["x"] * 2.0, t + 1.0))
     comm = _comm.private(None)
     calls = {"method": (lambda: Twice.forward(ops[0], comm, x),),

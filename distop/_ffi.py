@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import x64_enabled
+from ._coordinator import offered, withdraw
 
 TARGET = "distop_host_call"
 _calls = {}  # call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
@@ -95,11 +96,6 @@ class _Api(C.Structure):
 
 
 _DATA = _Buffer.data.offset
-# The agreement across ranks that the program running now is the one they all run, when
-# its first call makes it (`Problem` sets it around the program; None: none pending):
-# an object whose `settle()` makes it once, on its first call, and returns whether the
-# ranks disagree. Where they agree, that call sets it back to None for the rest.
-agreement = None
 _plans = {}  # call_id -> the _Slots of its arguments, of its results
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
 # memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
@@ -183,7 +179,6 @@ def _arrays(values, slots):
 
 
 def _handler(frame_pointer):
-    global agreement
     frame = frame_pointer.contents
     try:
         extension = frame.extension_start
@@ -206,7 +201,7 @@ def _handler(frame_pointer):
         args = _arrays(arg_values, plans[0])
         rets = _arrays(ret_values, plans[1])
         rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
-        pending = agreement
+        pending = offered()
         if pending is not None:
             if pending.settle():
                 # The ranks do not agree on this program: no method runs, on any rank
@@ -214,7 +209,7 @@ def _handler(frame_pointer):
                 for out in rets[1:]:
                     out[...] = 0
                 return None
-            agreement = None  # (agreed: the program's later calls need not ask)
+            withdraw()  # (agreed: the program's later calls need not ask)
         results = call(*args[1:], out=rets[1:])
         for out, result in zip(rets[1:], results):
             if result is not out:

@@ -7,12 +7,15 @@ import math
 import numbers
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from ._comm import world
 from ._errors import DerivativeCheckError, DistopError
+from ._tracing import FDOptions
 
 FORMS = {"central": (1.0, -1.0), "forward": (1.0,), "backward": (-1.0,)}
 
@@ -35,11 +38,11 @@ class TotalsCheck:
     inconsistent_ranks: list
 
 
-def assemble(problem, layout, cts, of, wrt, return_format):
+def assemble(comm, layout, cts, of, wrt, return_format):
     """Cut the batched cotangents of a reverse pass into `(of, wrt)` blocks.
 
     **Arguments:**
-    - `problem`: the `Problem`.
+    - `comm`: the Problem's communicator.
     - `layout`: the `Layout` of the current point.
     - `cts`: wrt name -> array (global rows of `of`, *local shape of wrt).
     - `of`, `wrt`: the names, in order.
@@ -48,7 +51,7 @@ def assemble(problem, layout, cts, of, wrt, return_format):
 
     **Returns:** dict `(of, wrt)` -> 2-D numpy array.
     """
-    comm, rank = problem.comm, problem.comm.Get_rank()
+    rank = comm.Get_rank()
     offsets = layout.offsets(of)
     local = [] if return_format != "local" else [  # this rank's rows of a distributed `of`
         (o, offsets[i]) + layout.local_rows(o, rank) for i, o in enumerate(of)
@@ -99,16 +102,16 @@ def _digest(array):
     return hashlib.sha256(a.tobytes() + str(a.shape).encode()).hexdigest()[:16]
 
 
-def check_replicated(problem, values, where):
+def check_replicated(comm, distributed, values, where):
     """Raise on every rank if a replicated value differs between ranks.
 
     **Arguments:**
-    - `problem`: the `Problem`.
+    - `comm`: the Problem's communicator.
+    - `distributed`: the names of the distributed values.
     - `values`: name -> numpy array (inputs and outputs of one point).
     - `where`: the calling method, for the message.
     """
-    comm = problem.comm
-    names = [k for k in values if k not in problem.distributed]
+    names = [k for k in values if k not in distributed]
     if comm.Get_size() == 1 or not names:
         return
     every = comm.allgather([_digest(values[k]) for k in names])
@@ -164,18 +167,33 @@ def request_key(value, names=False):
     return repr(value)
 
 
-def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream,
-                 raise_on_error, show_only_incorrect):
-    """See `Problem.check_totals`."""
-    if out_stream is STDOUT:
-        out_stream = sys.stdout
-    comm, rank = problem.comm, problem.comm.Get_rank()
-    point = problem._point
-    # the arguments are checked once the ranks agree on them: an error on every rank
-    key = request_key
-    layout = problem._layout(point, ("check_totals", key(of, names=True),
-                                     key(wrt, names=True), key(method), key(form), key(step),
-                                     key(atol), key(rtol)))
+@dataclasses.dataclass(frozen=True)
+class Evaluations:
+    """What `check_totals` evaluates: a Problem's entry points at its current point.
+
+    **Arguments:**
+    - `comm`: the Problem's communicator.
+    - `distributed`: the names of its distributed values.
+    - `layout`: the `Layout` of the current point.
+    - `point`: the current point.
+    - `run`: the Problem's `run`.
+    - `compute_totals`: the Problem's `compute_totals`.
+    - `perturbed`: runs the finite-difference program of `FDOptions` on perturbations
+      (name -> batch of deltas) of the point; returns the batched outputs.
+    """
+
+    comm: Any
+    distributed: frozenset
+    layout: Any
+    point: dict
+    run: Callable[[], dict]
+    compute_totals: Callable[..., dict]
+    perturbed: Callable[[FDOptions, dict], dict]
+
+
+def check_options(method, form, step, atol, rtol):
+    """**Returns:** `check_totals`'s `step`, `atol` and `rtol` as floats, checked with
+    its `method` and `form`."""
     if method != "fd":
         raise ValueError(f"check_totals(method={method!r}): only 'fd' is available.")
     if not isinstance(form, str) or form not in FORMS:
@@ -185,20 +203,25 @@ def check_totals(problem, of, wrt, *, method, form, step, atol, rtol, out_stream
                 and math.isfinite(value) and (value > 0 if least == 0 else value >= 0)):
             raise ValueError(f"check_totals({name}={value!r}): expected a "
                              f"{'positive' if least == 0 else 'non-negative'} number.")
-    step, atol, rtol = float(step), float(atol), float(rtol)  # (a Fraction, say)
-    of = problem._names("check_totals", "of", of, problem.output_names,
-                        layout.differentiable["outputs"])
-    wrt = problem._names("check_totals", "wrt", wrt, problem.input_names,
-                         layout.differentiable["inputs"])
+    return float(step), float(atol), float(rtol)  # (a Fraction, say)
+
+
+def check_totals(evaluations, of, wrt, *, form, step, atol, rtol, out_stream,
+                 raise_on_error, show_only_incorrect):
+    """See `Problem.check_totals`: `of`, `wrt` and the options checked already."""
+    if out_stream is STDOUT:
+        out_stream = sys.stdout
+    comm, rank, layout = evaluations.comm, evaluations.comm.Get_rank(), evaluations.layout
     say = (lambda text: print(text, file=out_stream, flush=True)) if (
         out_stream is not None and rank == 0) else (lambda text: None)
     if not of or not wrt:
         say("check_totals: nothing to check (no floating-point outputs or inputs)")
         return {}
-    check_replicated(problem, {**point, **problem.run()}, "check_totals")
+    check_replicated(comm, evaluations.distributed, {**evaluations.point, **evaluations.run()},
+                     "check_totals")
     started = time.perf_counter()
-    J = problem.compute_totals(of, wrt)
-    J_fd = _finite_differences(problem, layout, of, wrt, form, step, say)
+    J = evaluations.compute_totals(of, wrt)
+    J_fd = _finite_differences(evaluations, of, wrt, form, step, say)
     say_progress = time.perf_counter() - started > 5
     if say_progress:
         say(f"check_totals: derivatives computed in {time.perf_counter() - started:.1f} s; "
@@ -257,7 +280,7 @@ def _say_precision(layout, of, wrt, form, step, rtol, say):
             f"near step={best_step:.0e}. Pass step= and rtol= to suit.")
 
 
-def _finite_differences(problem, layout, of, wrt, form, step, say):
+def _finite_differences(evaluations, of, wrt, form, step, say):
     """All perturbations of all `wrt` entries as one batched program call.
 
     The derivatives are those `compute_totals` gives, in JAX's convention: of an
@@ -265,7 +288,7 @@ def _finite_differences(problem, layout, of, wrt, form, step, say):
     and for an entry z = x + iy of a complex input, d/dx - i d/dy of it (for a
     holomorphic function, its complex derivative): a complex entry is perturbed along
     both axes."""
-    comm, rank = problem.comm, problem.comm.Get_rank()
+    comm, rank, layout = evaluations.comm, evaluations.comm.Get_rank(), evaluations.layout
     signs = FORMS[form]
     sizes = [layout.global_size(w) for w in wrt]
     axes = [(1, 1j) if np.issubdtype(layout.inputs[w].dtype, np.complexfloating) else (1,)
@@ -284,10 +307,8 @@ def _finite_differences(problem, layout, of, wrt, form, step, say):
         deltas[w] = delta.reshape((len(signs) * n,) + spec.shape)
     if len(signs) * n > 256:
         say(f"check_totals: evaluating {len(signs) * n} perturbed points in one batched call")
-    program = problem._program("fd", (tuple(wrt), form, step), layout,
-                               make_extra=lambda: (deltas,))
-    values = problem._execute(program, problem._point)
-    base = None if len(signs) == 2 else problem.run()
+    values = evaluations.perturbed(FDOptions(tuple(wrt), form, step), deltas)
+    base = None if len(signs) == 2 else evaluations.run()
     J_fd = {}
     with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
         for o in of:

@@ -101,9 +101,9 @@ class RowScale(distop.DistributedOperator):
 def totals_jaxpr(problem):
     """**Returns:** the jaxpr of `problem`'s default `compute_totals` program (after
     distop's rewrites), and the host calls in it (fused calls' members), in order."""
-    program = next(p for k, p in problem._programs.items() if k[0] == "compute_totals")
-    layout = next(iter(problem._layouts.values()))
-    seeds = problem._seeds(problem.output_names, layout, True)
+    program = next(p for k, p in problem._programs.programs.items() if k[0] == "compute_totals")
+    layout = next(iter(problem._programs.layouts.values()))
+    seeds = distop._layout.seeds(problem.output_names, layout, problem.comm.Get_rank(), True)
     point = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in problem._point.items()}
     jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), point, *seeds).jaxpr
     calls = [m for e in jaxpr.eqns if "call" in e.params

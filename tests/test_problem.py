@@ -248,7 +248,7 @@ def _chain_model(ops, between):
 
 
 def _programs(problem):
-    return {name: p for (name, *_), p in problem._programs.items()}
+    return {name: p for (name, *_), p in problem._programs.programs.items()}
 
 
 def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_in_a_call():
@@ -282,7 +282,7 @@ def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_i
     assert not _programs(problem)["run"].ahead
     # nor does an FFI call of the model's own (its target could communicate)
     own_ffi = jax.make_jaxpr(jax.ffi.ffi_call("a_target", jax.ShapeDtypeStruct((), x0.dtype)))
-    assert [distop._problem._not_ahead(e) for e in own_ffi().eqns] == [True]
+    assert [distop._programs.not_ahead(e) for e in own_ffi().eqns] == [True]
 
 
 def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
@@ -712,8 +712,9 @@ def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
     problem = distop.Problem(lambda x, w: {"f": w @ op(x)}, {"x": x0, "w": w})
     J = problem.compute_totals("f", "x")["f", "x"]
     np.testing.assert_allclose(J, w @ a_local.toarray(), rtol=1e-13)
-    program = problem._programs["compute_totals", ("batched", ("f",), ("x",)),
-                                id(next(iter(problem._layouts.values())))]
+    program = problem._programs.programs[
+        "compute_totals", ("batched", ("f",), ("x",), False),
+        id(next(iter(problem._programs.layouts.values())))]
     spec = {"x": jax.ShapeDtypeStruct((8,), np.float64),
             "w": jax.ShapeDtypeStruct((5, 8), np.float64)}
     jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), spec,
@@ -1111,7 +1112,7 @@ def test_an_integer_output_is_left_out_of_the_totals_in_every_mode(backend):
 
 
 def test_inputs_are_private_copies_that_the_programs_read_in_place():
-    from distop._problem import _REUSES
+    from distop._inputs import REUSES as _REUSES
 
     problem = distop.Problem(lambda x: {"s": jnp.sum(Cube()(x)), "y": Cube()(x) + 1.0},
                              {"x": np.ones(3)})
@@ -1127,11 +1128,11 @@ def test_inputs_are_private_copies_that_the_programs_read_in_place():
     # a new input goes to the program as it is; one used again, as a JAX array made
     # once that shares its memory (no copy of a large input, in either form)
     mine = problem._point["x"]
-    assert mine.ctypes.data % 64 == 0 and problem._on_device(problem._point)["x"] is mine
+    assert mine.ctypes.data % 64 == 0 and problem._executor.on_device(problem._point)["x"] is mine
     for _ in range(_REUSES):
-        passed = problem._on_device(problem._point)["x"]
+        passed = problem._executor.on_device(problem._point)["x"]
     assert isinstance(passed, jax.Array) and passed.unsafe_buffer_pointer() == mine.ctypes.data
-    assert problem._on_device(problem._point)["x"] is passed
+    assert problem._executor.on_device(problem._point)["x"] is passed
     assert problem.run()["s"] == 36.0
     # a JAX array input is read in place too, not copied
     jx = jnp.array([1.0, 1.0, 2.0])
@@ -1201,7 +1202,7 @@ def test_empty_makes_arrays_that_xla_reads_in_place(shape, dtype):
 
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
 def test_copy_none_shares_the_inputs_xla_reads_in_place_and_copies_the_others(backend):
-    from distop._problem import _REUSES
+    from distop._inputs import REUSES as _REUSES
 
     x = distop.empty(3)
     x[:] = [1.0, 2.0, 3.0]
@@ -1223,7 +1224,7 @@ def test_copy_none_shares_the_inputs_xla_reads_in_place_and_copies_the_others(ba
     for _ in range(_REUSES + 1):
         assert problem.run(x=y)["s"] == 3.0 + 15
     assert problem._point["x"] is y
-    assert problem._on_device(problem._point)["x"].unsafe_buffer_pointer() == y.ctypes.data
+    assert problem._executor.on_device(problem._point)["x"].unsafe_buffer_pointer() == y.ctypes.data
     # numbers and lists are made into distop's own arrays
     assert problem.run(x=[2.0, 0.0, 0.0])["s"] == 8.0 + 15
 
@@ -1289,7 +1290,7 @@ def test_in_32_bit_mode_an_input_jax_would_narrow_is_refused(dtype):
         p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))},
                            {"x": np.ones(3, np.float32)})
         for _ in range(3):
-            assert p.run()["s"] == 3.0 and p._token.dtype == np.float32
+            assert p.run()["s"] == 3.0 and p._executor.token.dtype == np.float32
         assert p.compute_totals()["s", "x"].tolist() == [[3.0, 3.0, 3.0]]
     finally:
         jax.config.update("jax_enable_x64", True)
@@ -1332,7 +1333,7 @@ def test_the_token_count_restarts_before_it_could_lose_exactness(monkeypatch):
     seen = []
     for _ in range(12):
         assert p.run()["s"] == 2.0
-        seen.append(p._calls)
+        seen.append(p._executor.calls)
     assert max(seen) == 4 and seen.count(0) == 2, seen
 
 

@@ -1,0 +1,84 @@
+"""Running a program: the token, the count of host calls, errors, and the results."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi, _safety
+from ._callback import take_error
+from ._compat import JaxRuntimeError
+from ._coordinator import Coordinator
+from ._errors import DistopError
+from ._inputs import DeviceCache
+from ._packing import unpack
+from ._programs import Program
+
+
+class Executor:
+    """Runs one Problem's programs, one at a time, on its token chain.
+
+    **Arguments:**
+    - `coordinator`: the `Coordinator` of the Problem's ranks.
+    """
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.token = jnp.zeros((), _ffi.token_dtype())
+        self.calls = 0  # the token's value: lean host calls run so far
+        self.on_device = DeviceCache()
+
+    def __call__(self, program: Program, point: dict) -> dict:
+        """Run `program` at `point`.
+
+        **Returns:** its results, unpacked (name -> read-only numpy view).
+
+        **Raises:** the error of a host call as the method raised it; `Missed` where the
+        ranks turn out to disagree on the call.
+        """
+        try:
+            return self._run(program, point)
+        except (JaxRuntimeError, ValueError) as err:
+            # A host call's error: JAX raises ValueError where its C++ dispatch runs the
+            # program (as of jax 0.10.2), else JaxRuntimeError; with the error's text.
+            cause = take_error()
+            if isinstance(err, ValueError) and str(cause) not in str(err):
+                cause = None  # a ValueError of its own
+            if cause is not None:
+                raise cause from None
+            raise
+
+    def _run(self, program: Program, point: dict) -> dict:
+        """`__call__` without the translation of host calls' errors."""
+        coordinator = self.coordinator
+        with coordinator.running(program.ahead) as still_offered:
+            *packed, token = program.fn(self.token, self.on_device(point), *program.extra)
+            if still_offered():
+                # Not made yet: with JAX's async dispatch the program may still run
+                # on an XLA thread, and its first host call must find the agreement.
+                token.block_until_ready()
+        values = unpack(packed, program.plan)
+        # Kept only once the program has ended well: with JAX's async dispatch a host
+        # call's error arrives here, in the token too, and every later program would
+        # fail with it. (float() of a JAX array costs more than through numpy.)
+        count = float(np.asarray(token))
+        self.token = token
+        if program.calls:
+            self._count(program, count)
+        coordinator.after_running()
+        if program.checker is not None:
+            # A rank whose program skipped a collective (rank-dependent control flow)
+            # meets the others' next collective here, and every rank raises.
+            with _safety.watchdog.watch("Problem: end of program"):
+                program.checker.agree(("end of program",))
+        return values
+
+    def _count(self, program: Program, count: float) -> None:
+        """Check that the token grew by the program's number of host calls."""
+        calls, self.calls = self.calls, count
+        if self.calls - calls != program.calls:
+            raise DistopError(
+                f"rank {self.coordinator.comm.Get_rank()}: the program made "
+                f"{self.calls - calls} host calls instead of {program.calls}; "
+                "please report this as a bug of distop, with your jax version. "
+                "Problem(..., backend='io_callback') avoids the lean path.")
+        if self.calls >= _ffi.TOKEN_RESTART:
+            self.token, self.calls = jnp.zeros((), self.token.dtype), 0

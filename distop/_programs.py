@@ -1,0 +1,375 @@
+"""Programs: the model traced, checked, rewritten and jitted, one per entry point and
+layout, built once on every rank alike."""
+
+import contextlib
+import dataclasses
+import gc
+import warnings
+import weakref
+from collections.abc import Iterator
+
+import jax
+from jax.extend.core import jaxpr_as_fun
+
+from . import _comm, _ffi, _rewrite, _safety, _schedule
+from ._compat import x64_enabled
+from ._coordinator import Coordinator
+from ._errors import DistopError
+from ._layout import Layout, TracingInputs, seeds, unit_seeds
+from ._operator import host_call_p
+from ._packing import pack, unpack_plan
+from ._tracing import build
+
+
+@dataclasses.dataclass
+class Program:
+    """A compiled entry point: the jitted function, its schedule, and the fixed
+    arguments after the point (built on first use: they may be large)."""
+
+    fn: object
+    schedule: tuple
+    outputs: dict  # name -> (shape, dtype) of the program's results, before packing
+    make_extra: object = tuple
+    checker: object = None
+    calls: int = 0  # lean host calls per run: each adds one to the token
+    ahead: bool = False  # whether its first host call may make the ranks' agreement
+    _extra: tuple | None = None
+    _plan: tuple | None = None
+
+    @property
+    def plan(self) -> tuple:
+        """How the results unpack (see `unpack_plan`), made once."""
+        if self._plan is None:
+            self._plan = unpack_plan(self.outputs)
+        return self._plan
+
+    @property
+    def extra(self) -> tuple:
+        """The arguments after the point, on the device, made once."""
+        if self._extra is None:
+            self._extra = jax.device_put(self.make_extra())
+        return self._extra
+
+
+
+class Programs:
+    """The programs of one Problem, built on first use and kept.
+
+    **Arguments:**
+    - `model`: the Problem's model.
+    - `coordinator`: the `Coordinator` of its ranks.
+    - `backend`, `fuse`: the Problem's options of the same names.
+    """
+
+    def __init__(self, model, coordinator: Coordinator, backend: str, fuse: bool) -> None:
+        self.model = model
+        self.coordinator = coordinator
+        self.comm = coordinator.comm
+        self.distributed = coordinator.distributed
+        self.backend, self.fuse = backend, fuse
+        self.x64 = x64_enabled()  # the precision its programs are traced in
+        self.layouts: dict = {}  # (shapes, block sizes) -> Layout
+        self.programs: dict = {}  # (entry point, options, id(layout)) -> Program
+        self._traced_run = None  # (inputs, traced run program) of the newest layout
+        self._warned_loop = False
+
+    def layout(self, point: dict, request: tuple, refused: BaseException | None = None,
+               ahead: bool = False, current: dict | None = None) -> Layout:
+        """Agree with every rank on the request (the entry point and its arguments) and
+        the shapes of `point` (one small collective per call), and return its `Layout`
+        (traced once per new shapes, on every rank).
+
+        **Arguments:**
+        - `point`: the inputs of the call.
+        - `request`: the entry point and its arguments.
+        - `refused`: the error of an argument this rank refused (see
+          `Coordinator.request`); then `point` is the current one.
+        - `ahead`: the caller runs inside `Coordinator.agreed`, so the agreement may be
+          left to the program: for a request and shapes seen before, the layout of the
+          other ranks' block sizes of last time is returned at once.
+        - `current`: the current point, taken instead of `point` where this rank
+          refuses the call.
+        """
+        if refused is None and x64_enabled() != self.x64:
+            point, refused = current if current is not None else point, DistopError(
+                f"{request[0]}: this Problem was made with jax_enable_x64="
+                f"{self.x64} and is called with {not self.x64}: its programs and values "
+                "are in the other precision. Change jax_enable_x64 back, or make a new "
+                "Problem after changing it.")
+        local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
+        dist_inputs = [k for k in point if k in self.distributed]
+        counts, guessed = self.coordinator.request(
+            local, request, [point[k].shape[0] for k in dist_inputs], refused, ahead)
+        if guessed:
+            return self.layouts[local, counts]
+        key = (local, counts)
+        layout = self.layouts.get(key)
+        if layout is None:
+            with collector_paused():
+                layout = self.layouts[key] = self._new_layout(
+                    point, dict(zip(dist_inputs, counts)))
+        return layout
+
+    def _new_layout(self, point, counts):
+        """The `Layout` of a point with new shapes (traces the model, on every rank)."""
+        inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
+        # The run program, traced now: its outputs are the layout's (one trace of the
+        # model serves both), and `_program` takes it over once the layout exists.
+        run = self.trace("run", (), TracingInputs(inputs), (), True)
+        outputs = {k: jax.ShapeDtypeStruct(*run[1][k]) for k in sorted(run[1])}
+        self._traced_run = (inputs, run)
+        if self.comm.Get_size() == 1:
+            counts.update({k: (s.shape[0],) for k, s in outputs.items()
+                           if k in self.distributed and s.ndim})
+            counts.update({k: (point[k].shape[0],) for k in point if k in self.distributed})
+            return Layout(inputs, outputs, counts)
+        shapes = self.comm.allgather({k: (s.shape, str(s.dtype)) for k, s in outputs.items()})
+        for name, spec in outputs.items():
+            seen = [s[name] for s in shapes]
+            if name in self.distributed:
+                if spec.ndim == 0 or len({(s[0][1:], s[1]) for s in seen}) > 1:
+                    raise DistopError(f"distributed output {name!r}: local shapes "
+                                      f"{[s[0] for s in seen]} on ranks 0..; a distributed "
+                                      "value needs axis 0 and the same other axes and "
+                                      "dtype everywhere.")
+                counts[name] = tuple(s[0][0] for s in seen)
+            elif len(set(seen)) > 1:
+                raise DistopError(f"output {name!r} has shapes {[s[0] for s in seen]} on ranks "
+                                  f"0..{len(seen) - 1}: a replicated output must be the same "
+                                  "everywhere. Declare it in Problem(distributed=...) if each "
+                                  "rank holds a block of it.")
+        return Layout(inputs, outputs, counts)
+
+    def program(self, name, options, layout, make_extra=tuple):
+        """The jitted program of an entry point for `layout`, traced, checked and agreed
+        by every rank the first time it is needed.
+
+        **Arguments:**
+        - `name`, `options`: the entry point and what selects its program.
+        - `layout`: the `Layout` of the point.
+        - `make_extra`: builds the arguments after the point (default none; the seeds
+          for `compute_totals`).
+        """
+        key = (name, options, id(layout))
+        found = self.programs.get(key)
+        if found is None:
+            self.coordinator.before_building()  # (building one communicates)
+            with collector_paused():
+                found = self._new_program(key, name, options, layout, make_extra)
+        return found
+
+    def _new_program(self, key, name, options, layout, make_extra):
+        """Trace, rewrite and agree on a program not built before (see `_program`)."""
+        if name == "compute_totals":
+            rank = self.comm.Get_rank()
+
+            def make_extra():
+                return seeds(options.of, layout, rank)
+            specs = seeds(options.of, layout, rank, specs_only=True)
+        else:
+            specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                 make_extra())
+        pending = self._traced_run if name == "run" else None
+        try:
+            if pending is not None and pending[0] is layout.inputs:
+                self._traced_run = None
+                fn, outputs, jaxpr, traced = pending[1]
+            else:
+                fn, outputs, jaxpr, traced = self.trace(name, options, layout, specs,
+                                                         True)
+        except NotImplementedError as err:
+            if "not supported in vmap" not in str(err):
+                raise
+            # jax refuses to vmap ordered callbacks inside lax.cond: run the seeds or
+            # perturbations one after another instead, in a loop.
+            if not self._warned_loop:
+                self._warned_loop = True
+                entry = "run_and_compute_totals" if options.with_values else name
+                warnings.warn(f"{entry}: the model has an operator inside lax.cond (or "
+                              "another construct jax cannot vmap with ordered "
+                              "callbacks), so seeds and finite-difference perturbations "
+                              "run in a loop, one per iteration, instead of one batch.",
+                              stacklevel=3)
+            fn, outputs, jaxpr, traced = self.trace(name, options, layout, specs,
+                                                     False)
+        with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
+            schedule = _schedule.agree(self.comm, name,
+                                       _schedule.extract(jaxpr, traced))
+        checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
+                   and self.comm.Get_size() > 1 else None)
+        calls = _rewrite.lean_calls(jaxpr.jaxpr)
+        # Its first host call may make the agreement (see `_Agreement`) where nothing
+        # else in it runs host code (a callback or FFI call of the model's own, which
+        # could communicate before it, or a call of an operator set to ordered=False,
+        # which XLA may run before it) and it ends whatever its calls return (no while
+        # loop, whose condition could read the zeros of calls that did not run).
+        ahead = bool(calls) and checker is None and not jaxpr.jaxpr.effects and not \
+            _ffi.anywhere(jaxpr.jaxpr.eqns, not_ahead)
+        found = self.programs[key] = Program(fn, schedule, outputs, make_extra, checker,
+                                              len(calls), ahead)
+        # the lean call sites live as long as the program
+        weakref.finalize(found, _ffi.release, calls)
+        return found
+
+    def trace(self, name, options, layout, specs, vectorize):
+        """Trace an entry point's program, on the lean path if the backend says so and
+        the program allows it on every rank (its lean calls form one token chain), else
+        with ordered `io_callback`s.
+
+        **Returns:** (function, outputs, the program before segments: its schedule, the
+        lean calls as traced in chain order or None: see `_schedule.extract`)."""
+        if self.backend == "lean":
+            try:
+                found = self._trace_with(name, options, layout, specs, vectorize, True)
+            except Exception:  # noqa: BLE001 - same on every rank; io_callback decides
+                # Typically the model moved the token into a loop, a branch or its own
+                # transformation (UnexpectedTracerError). Any genuine error of the model
+                # comes back from the io_callback trace below.
+                found = None
+            chained = found is not None and _ffi.chained(found[2])
+            # One collective on every rank, whatever it found: the ranks take the lean
+            # path together or not at all, and rewrite it alike.
+            plan, every = self.coordinator.agree(
+                f"{name}: agreeing on the lean path",
+                lambda: self._simplified(name, options, found, layout, specs) if chained
+                else None, share=lambda plan: None if plan is None else plan[1:4])
+            if all(m is not None for m in every):
+                return (*self._rewritten(name, found, layout, specs, plan, every),
+                        _rewrite.lean_calls(found[2].jaxpr))
+        return (*self._trace_with(name, options, layout, specs, vectorize, False), None)
+
+    def _simplified(self, name, options, found, layout, specs):
+        """This rank's simplification of a traced lean program: its products with unit
+        seeds dropped and what it computes from them folded (see _rewrite.py), then its
+        forward calls whose results nothing reads here.
+
+        **Returns:** (the program with the products dropped, the spans of rows its
+        derivative calls need here (`_rewrite.known_rows`), then `_drops` of it)."""
+        closed = found[2]
+        if name == "compute_totals":
+            invars = closed.jaxpr.invars
+            seed_vars = invars[len(invars) - len(specs):]
+            units = {seed_vars[i] for i in unit_seeds(options.of, layout, self.distributed,
+                                                    self.comm.Get_size())}
+            closed = _rewrite.drop_identity_products(closed, units) or closed
+            closed = _rewrite.fold_known(closed, units) or closed
+        return (closed, _rewrite.known_rows(closed), *self._drops(closed))
+
+    def _drops(self, closed, allowed=None):
+        """**Returns:** (the chain positions of the forward calls of `closed` that nothing
+        reads here, among `allowed` (None: all), where fusion may join calls once they
+        are dropped (None without fusion), the program without them)."""
+        dropped, unused = _rewrite.drop_unused_calls(closed, allowed)
+        return unused, _rewrite.fusion_joins(dropped) if self.fuse else None, dropped
+
+    def _rewritten(self, name, found, layout, specs, plan, every):
+        """A traced lean program simplified alike on every rank (`plan`: this rank's
+        `_simplified`; `every`: each rank's unused calls and joins), its neighbour calls
+        fused (if `fuse`) and a long chain cut into segments (see _rewrite.py); `found`
+        itself if none applies. One agreement step on every rank, whatever applies (so
+        rank-dependent programs reach the schedule check in step).
+
+        **Returns:** (function, outputs, the program before segments: its schedule)."""
+        closed, _, _, joins, dropped = plan
+        # the rows a derivative call needs on some rank: it gets those on every rank
+        spans = {}
+        for position in set.intersection(*(set(s) for s, *_ in every)):
+            some = [s[position] for s, *_ in every if s[position][0] < s[position][1]]
+            spans[position] = ((min(a for a, _ in some), max(b for _, b in some)) if some
+                               else (0, 0))
+        every = [rest for _, *rest in every]
+        while len({u for u, _ in every}) > 1:
+            # What a call's results feed can depend on the rank's block sizes (JAX's
+            # derivative of `prod` over one row reads nothing): keep every call some
+            # rank reads, and again what the calls kept read, until the ranks agree.
+            allowed = set.intersection(*(set(u) for u, _ in every))
+            (_, joins, dropped), every = self.coordinator.agree(
+                f"{name}: agreeing on the calls to drop",
+                lambda allowed=allowed: self._drops(closed, allowed), share=lambda d: d[:2])
+        if any(j is None or len(j) != len(joins) for _, j in every):
+            joins = None  # no fusion, or different programs (the schedule check tells)
+        else:
+            joins = tuple(map(all, zip(*(j for _, j in every))))
+        rewritten, every = self.coordinator.agree(
+            f"{name}: rewriting the program",
+            lambda: self._rewrite(found, layout, specs, dropped, joins, spans),
+            share=lambda done: [c.agreeing for c in fused_calls(done[2])])
+        # Which members of a fused call agree on their nonzero rows follows the data
+        # flow into it, which can depend on a rank's block sizes: those of every rank.
+        for i, call in enumerate(fused_calls(rewritten[2])):
+            call.agree_on(set.intersection(*(set(e[i]) for e in every)) if
+                          len({len(e) for e in every}) == 1 else ())
+        return rewritten
+
+    def _rewrite(self, found, layout, specs, closed, joins, spans):
+        changed = closed is not found[2]
+        narrowed = _rewrite.narrow(closed, spans)
+        if narrowed is not None:
+            closed, changed = narrowed, True
+        if joins is not None:
+            fused = _rewrite.fuse(closed, host_call_p, joins)
+            if fused is not None:
+                closed, changed = fused, True
+        if not _ffi.chained(closed):
+            raise DistopError("the rewritten program is not one chain")
+        loops = _rewrite.rolled(closed)
+        program = closed if loops is None else loops[0]
+        run = _rewrite.segmented(program)
+        if run is None and not changed and loops is None:
+            return found
+        run = run or jaxpr_as_fun(program)
+        fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
+        if loops is not None:  # the loops' call sites live as long as the program
+            weakref.finalize(fn, _ffi.release, loops[1])
+        fn.trace(jax.ShapeDtypeStruct((), _ffi.token_dtype()), layout.inputs, *specs)
+        return fn, found[1], closed
+
+    def _trace_with(self, name, options, layout, specs, vectorize, lean):
+        body, outputs = build(self.model, name, options, layout, vectorize), {}
+
+        def packed(token, *args):
+            if lean:
+                with _ffi.tracing(token) as session:
+                    values = body(*args)
+                token = session.token
+            else:
+                values = body(*args)
+            outputs.update({k: (v.shape, v.dtype) for k, v in values.items()})
+            return pack(values) + (token,)
+
+        fn = jax.jit(packed)
+        token = jax.ShapeDtypeStruct((), _ffi.token_dtype())
+        traced = self.coordinator.agree(f"{name}: tracing the program",
+                             lambda: _schedule.refuse_checkpoint(
+                                 fn.trace(token, layout.inputs, *specs)))
+        return fn, outputs, traced.jaxpr
+
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a program is traced: tracing makes
+    hundreds of thousands of objects, and the collector would walk every live one again
+    and again. What is garbage is collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+NOT_AHEAD = ("while", "pure_callback", "ffi_call")  # (see `Program.ahead`)
+
+
+def fused_calls(closed) -> list:
+    """**Returns:** the fused calls of a program, in program order."""
+    return [c for c in _rewrite.lean_calls(closed.jaxpr) if isinstance(c, _rewrite.FusedCall)]
+
+
+def not_ahead(eqn) -> bool:
+    """Whether `eqn` keeps its program from making the agreement in its first host call
+    (see `Programs._new_program`)."""
+    return eqn.primitive.name in NOT_AHEAD or (
+        eqn.primitive.name == "distop_host_call" and not eqn.params["call"].lean)

@@ -1,0 +1,106 @@
+"""The functions of the entry points, as traced into programs: the model, its totals,
+its finite differences."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _ffi
+from ._layout import row, split_seeds
+
+
+class TotalsOptions(NamedTuple):
+    """What selects a totals program besides its layout."""
+
+    mode: str  # "batched", "loop" or "unrolled"
+    of: tuple  # output names
+    wrt: tuple  # input names
+    with_values: bool = False  # whether it returns the outputs' values too
+
+
+class FDOptions(NamedTuple):
+    """What selects a finite-difference program besides its layout."""
+
+    wrt: tuple  # input names
+    form: str  # "central", "forward" or "backward"
+    step: float
+
+
+def call_model(model: Callable, point: dict) -> dict:
+    """**Returns:** the model's outputs at `point`, checked to be a dict of arrays."""
+    out = model(**point)
+    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
+        raise TypeError(f"Problem: the model returned a {type(out).__name__}; expected "
+                        "a dict of output name -> array.")
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def build(model: Callable, name: str, options: tuple, layout: Any,
+          vectorize: bool = True) -> Callable:
+    """The function of an entry point; `vectorize=False` replaces `vmap` over seeds
+    or perturbations by a sequential loop (for models JAX cannot vmap)."""
+    def batch(fn, xs):
+        if not vectorize:
+            return lax.map(fn, xs)
+        session = _ffi.session()
+        if session is None:
+            return jax.vmap(fn)(xs)
+        # The lean path's token leaves the vmap as an unbatched output.
+        out, session.token = jax.vmap(lambda x: (fn(x), session.token),
+                                      out_axes=(0, None))(xs)
+        return out
+
+    if name == "run":
+        return lambda point: call_model(model, point)
+    if name == "fd":
+        return lambda point, deltas: batch(
+            lambda d: call_model(model, {**point, **{k: point[k] + d[k] for k in d}}),
+            deltas)
+    mode, _, diff_names, with_values = options  # differentiate only what was asked for
+    if mode == "batched" and not vectorize:
+        mode = "loop"
+
+    def totals(point, *packed):
+        seeds = split_seeds(packed, layout)
+        diff = {k: point[k] for k in diff_names}
+        rest = {k: v for k, v in point.items() if k not in diff}
+        order = []  # the model's order of its outputs (jax.vjp's is sorted)
+
+        def restricted(d):
+            values = call_model(model, {**rest, **d})
+            order[:] = values
+            return values
+
+        values, back = pullback(restricted, diff)
+        if mode == "batched":
+            cts = batch(lambda seed: back(seed)[0], seeds)
+        elif mode == "loop":
+            cts = lax.scan(lambda carry, seed: (carry, back(seed)), None, seeds)[1][0]
+        else:
+            n = next(iter(seeds.values())).shape[0]
+            rows = [back({k: row(v, i) for k, v in seeds.items()})[0]
+                    for i in range(n)]
+            cts = {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
+        if not with_values:
+            return cts
+        # (packed in the model's order, as `run` packs them: XLA then makes no copy
+        # of the slices of a vector)
+        return {**{("value", k): values[k] for k in order},
+                **{("total", k): v for k, v in cts.items()}}
+
+    return totals
+
+
+def pullback(fn: Callable, diff: dict) -> tuple:
+    """`jax.vjp(fn, diff)`: the values and the pullback; on the lean path the token
+    leaves `jax.vjp` as an output of its own (with a zero cotangent), so the
+    backward calls continue the forward calls' chain."""
+    session = _ffi.session()
+    if session is None:
+        return jax.vjp(fn, diff)
+    (values, session.token), back = jax.vjp(lambda d: (fn(d), session.token), diff)
+    zero = jnp.zeros(())
+    return values, lambda seed: back((seed, zero))

@@ -1,11 +1,15 @@
 """The checks of a Problem's arguments, the same for every entry point."""
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ._callback import inexact_dtype as inexact
 from ._inputs import as_input
+
+CACHE_SIZE = 16  # the input shapes a Problem keeps programs for, by default
 
 MODES = ("batched", "loop", "unrolled")
 BACKENDS = ("lean", "io_callback")
@@ -37,6 +41,22 @@ def check_arguments(model: Callable, inputs: dict, backend: str, copy: bool | No
     return backend, copy, point
 
 
+def cache_size() -> int:
+    """**Returns:** how many layouts a Problem keeps (env `DISTOP_CACHE_SIZE`, at least
+    one; default `CACHE_SIZE`)."""
+    text = os.environ.get("DISTOP_CACHE_SIZE", "").strip()
+    if not text:
+        return CACHE_SIZE
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"DISTOP_CACHE_SIZE={text!r}: expected a whole number of input "
+                         "shapes, at least 1.")
+    return size
+
+
 def check_names(method: str, arg: str, names: Any, known: tuple,
                 differentiable: tuple) -> tuple:
     """**Returns:** the names an `of` or `wrt` argument asks for, checked.
@@ -66,6 +86,25 @@ def check_names(method: str, arg: str, names: Any, known: tuple,
     return tuple(names)
 
 
+def _same_dtype(where: str, name: str, new: np.ndarray, value: Any, old: np.ndarray,
+                copy: bool | None) -> np.ndarray:
+    """**Returns:** `new`, the input `name` a call passes, where its dtype is that of
+    the current point's `old` or `old` is not differentiable; a number or list made in
+    `old`'s dtype where it casts safely.
+
+    **Raises:** TypeError for an array of another dtype: it would trace the model again
+    at another precision or kind, where its derivatives may not exist.
+    """
+    if new.dtype == old.dtype or not inexact(old.dtype):
+        return new
+    if not hasattr(value, "dtype") and np.can_cast(new.dtype, old.dtype, "same_kind"):
+        return as_input(where, np.asarray(value, old.dtype), copy)
+    raise TypeError(f"{where}: input {name!r} is {old.dtype} at this Problem's point, "
+                    f"and the array passed is {new.dtype}. A differentiable input keeps its "
+                    f"dtype on every call. Pass `{name}.astype(numpy.{old.dtype})`, or make "
+                    "a new Problem for the other dtype.")
+
+
 def moved(method: str, inputs: Any, current: dict, copy: bool | None,
           keywords: bool = True) -> tuple[dict, BaseException | None]:
     """The point a call asks for: the current one with `inputs` in it.
@@ -92,7 +131,8 @@ def moved(method: str, inputs: Any, current: dict, copy: bool | None,
             if name not in point:
                 raise ValueError(f"{where}: no input named '{name}'; "
                                  f"inputs are {list(current)}.")
-            point[name] = as_input(where, value, copy)
+            point[name] = _same_dtype(where, name, as_input(where, value, copy), value,
+                                      current[name], copy)
     except (TypeError, ValueError) as err:
         return current, err
     return point, None

@@ -166,6 +166,13 @@ class Coordinator:
             raise refused
         return counts, False
 
+    def forget(self, local: tuple) -> None:
+        """Forget what was agreed for calls at shapes `local`: their next call agrees
+        before its program."""
+        for table in (self._fixed, self._guesses):
+            for key in [k for k in table if k[0] == local]:
+                del table[key]
+
     def _differ(self, fixed: tuple, refused: BaseException | None) -> None:
         """Raise, on every rank, the error of ranks whose requests differ."""
         shapes = self.comm.allgather(fixed[0])

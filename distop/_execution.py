@@ -1,5 +1,7 @@
 """Running a program: the token, the count of host calls, errors, and the results."""
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -11,6 +13,10 @@ from ._errors import DistopError
 from ._inputs import DeviceCache
 from ._packing import unpack
 from ._programs import Program
+
+# One program at a time in this process: the agreement offered to a program's first
+# host call and the error a host call leaves are the process's, not a Problem's.
+_RUNNING = threading.RLock()
 
 
 class Executor:
@@ -34,17 +40,18 @@ class Executor:
         **Raises:** the error of a host call as the method raised it; `Missed` where the
         ranks turn out to disagree on the call.
         """
-        try:
-            return self._run(program, point)
-        except (JaxRuntimeError, ValueError) as err:
-            # A host call's error: JAX raises ValueError where its C++ dispatch runs the
-            # program (as of jax 0.10.2), else JaxRuntimeError; with the error's text.
-            cause = take_error()
-            if isinstance(err, ValueError) and str(cause) not in str(err):
-                cause = None  # a ValueError of its own
-            if cause is not None:
-                raise cause from None
-            raise
+        with _RUNNING:
+            try:
+                return self._run(program, point)
+            except (JaxRuntimeError, ValueError) as err:
+                # A host call's error: JAX raises ValueError where its C++ dispatch runs
+                # the program (as of jax 0.10.2), else JaxRuntimeError; with its text.
+                cause = take_error()
+                if isinstance(err, ValueError) and str(cause) not in str(err):
+                    cause = None  # a ValueError of its own
+                if cause is not None:
+                    raise cause from None
+                raise
 
     def _run(self, program: Program, point: dict) -> dict:
         """`__call__` without the translation of host calls' errors."""

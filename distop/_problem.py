@@ -4,10 +4,13 @@
 whose work lives in modules of one concern each (see docs/architecture.md).
 """
 
+import functools
 import os
+import threading
+from collections.abc import Callable
 
 from . import _comm, _safety, _totals
-from ._arguments import FORMATS, MODES, check_arguments, check_names, moved
+from ._arguments import FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from ._coordinator import Coordinator
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._execution import Executor
@@ -16,6 +19,16 @@ from ._programs import Programs
 from ._tracing import TotalsOptions
 
 __all__ = ["MODES", "Problem", "empty"]
+
+
+def _one_at_a_time(method: Callable) -> Callable:
+    """`method` under its Problem's lock: threads calling one Problem take turns, each
+    call whole (its agreement, programs, point and token are the Problem's own)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Problem:
@@ -70,14 +83,15 @@ class Problem:
                                      else distributed)
         self.check_replicated = check_replicated
         self._coordinator = Coordinator(self.comm, self.distributed)
+        self._lock = threading.RLock()  # (see `_one_at_a_time`)
         fuse = _safety.env_flag("DISTOP_FUSE", True) if fuse is None else bool(fuse)
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)
-        (self.backend, self.copy, self._point), every = self._coordinator.agree(
+        (self.backend, self.copy, self._point, size), every = self._coordinator.agree(
             "Problem: checking its arguments",
-            lambda: check_arguments(model, inputs, backend or os.environ.get(
-                "DISTOP_BACKEND", "lean"), copy, self.distributed),
+            lambda: (*check_arguments(model, inputs, backend or os.environ.get(
+                "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()),
             share=lambda made: (2 + sum(k in self.distributed for k in made[2]),
                                 sorted(self.distributed)))
         if any(names != every[0][1] for _, names in every):
@@ -88,11 +102,11 @@ class Problem:
         self._coordinator.widen([w for w, _ in every])
         self.fuse = fuse
         self.input_names = tuple(self._point)
-        self._programs = Programs(model, self._coordinator, self.backend, fuse)
+        self._programs = Programs(model, self._coordinator, self.backend, fuse, size)
         self._executor = Executor(self._coordinator)
         # (the options that shape the programs are part of the first request)
         layout = self._programs.layout(self._point, ("Problem", f"backend={self.backend}",
-                                                     f"fuse={self.fuse}"))
+                                                     f"fuse={self.fuse}", f"cache={size}"))
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
         if unknown:
@@ -123,6 +137,7 @@ class Problem:
         """
         return self._schedule
 
+    @_one_at_a_time
     def run(self, **inputs):
         """Evaluate the model at `inputs` (others keep their current values).
 
@@ -145,6 +160,7 @@ class Problem:
         self._point = point
         return outs
 
+    @_one_at_a_time
     def compute_totals(self, of=None, wrt=None, *, mode="batched", return_format="global"):
         """Total derivatives of outputs with respect to inputs, at the current point.
 
@@ -180,6 +196,7 @@ class Problem:
             return {}
         return _totals.assemble(self.comm, layout, cts, of, wrt, return_format)
 
+    @_one_at_a_time
     def run_and_compute_totals(self, of=None, wrt=None, *, inputs=None, mode="batched",
                                return_format="global"):
         """`run` and then `compute_totals`, in one program: the values and the total
@@ -221,6 +238,7 @@ class Problem:
         self._point = point
         return values, totals
 
+    @_one_at_a_time
     def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
                      atol=1e-8, rtol=1e-6, out_stream=_totals.STDOUT, raise_on_error=False,
                      show_only_incorrect=False):

@@ -59,16 +59,20 @@ class Programs:
     - `model`: the Problem's model.
     - `coordinator`: the `Coordinator` of its ranks.
     - `backend`, `fuse`: the Problem's options of the same names.
+    - `size`: how many layouts (shapes of the inputs) it keeps, with their programs;
+      past that the least recently used goes, on every rank alike (every rank makes
+      the same calls in the same order).
     """
 
-    def __init__(self, model, coordinator: Coordinator, backend: str, fuse: bool) -> None:
+    def __init__(self, model, coordinator: Coordinator, backend: str, fuse: bool,
+                 size: int) -> None:
         self.model = model
         self.coordinator = coordinator
         self.comm = coordinator.comm
         self.distributed = coordinator.distributed
-        self.backend, self.fuse = backend, fuse
+        self.backend, self.fuse, self.size = backend, fuse, size
         self.x64 = x64_enabled()  # the precision its programs are traced in
-        self.layouts: dict = {}  # (shapes, block sizes) -> Layout
+        self.layouts: dict = {}  # (shapes, block sizes) -> Layout, least recently used first
         self.programs: dict = {}  # (entry point, options, id(layout)) -> Program
         self._traced_run = None  # (inputs, traced run program) of the newest layout
         self._warned_loop = False
@@ -100,15 +104,24 @@ class Programs:
         dist_inputs = [k for k in point if k in self.distributed]
         counts, guessed = self.coordinator.request(
             local, request, [point[k].shape[0] for k in dist_inputs], refused, ahead)
-        if guessed:
-            return self.layouts[local, counts]
         key = (local, counts)
-        layout = self.layouts.get(key)
+        # (a guessed layout was made before: nothing may communicate before its
+        # pending agreement is made, so it is never built here)
+        layout = self.layouts.pop(key) if guessed else self.layouts.pop(key, None)
         if layout is None:
             with collector_paused():
-                layout = self.layouts[key] = self._new_layout(
-                    point, dict(zip(dist_inputs, counts)))
+                layout = self._new_layout(point, dict(zip(dist_inputs, counts)))
+            while len(self.layouts) >= self.size:
+                self._evict(next(iter(self.layouts)))
+        self.layouts[key] = layout  # (the most recently used, last)
         return layout
+
+    def _evict(self, key: tuple) -> None:
+        """Forget the layout of `key`, its programs, and the agreements made for it."""
+        gone = id(self.layouts.pop(key))
+        for found in [k for k in self.programs if k[2] == gone]:
+            del self.programs[found]
+        self.coordinator.forget(key[0])
 
     def _new_layout(self, point, counts):
         """The `Layout` of a point with new shapes (traces the model, on every rank)."""

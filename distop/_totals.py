@@ -97,13 +97,51 @@ def gather_rows(comm, block, counts):
     return recv
 
 
+def _canonical(array):
+    """`array` with every NaN made one NaN and every negative zero a zero: values that
+    compare equal then have equal bytes."""
+    a = np.asarray(array)
+    if a.dtype.kind == "c":
+        return _canonical(a.real) + 1j * _canonical(a.imag)
+    if a.dtype.kind != "f":
+        return a
+    return np.where(np.isnan(a), np.nan, a + 0.0)  # (-0.0 + 0.0 is 0.0)
+
+
 def _digest(array):
-    a = np.ascontiguousarray(array)
+    """A short hash of `array`'s values and shape, equal for arrays of equal values."""
+    a = np.ascontiguousarray(_canonical(array))
     return hashlib.sha256(a.tobytes() + str(a.shape).encode()).hexdigest()[:16]
+
+
+def _difference(mine, ref):
+    """**Returns:** how `mine` differs from `ref` in words, or None where their values
+    are equal (NaN equal to NaN, 0.0 to -0.0)."""
+    mine, ref = np.asarray(mine), np.asarray(ref)
+    if mine.shape != ref.shape:
+        return f"has shape {mine.shape}, rank 0 {ref.shape}"
+    if mine.dtype != ref.dtype:
+        return f"has dtype {mine.dtype}, rank 0 {ref.dtype}"
+    if _digest(mine) == _digest(ref):
+        return None
+    if mine.dtype.kind in "biu":
+        mine, ref = mine.astype(np.float64), ref.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        nan_mine, nan_ref = np.isnan(mine), np.isnan(ref)
+        if (nan_mine != nan_ref).any():
+            i = np.unravel_index(np.argmax(nan_mine != nan_ref), mine.shape)
+            return (f"has {mine[i]} at index {tuple(map(int, i))}, rank 0 {ref[i]} (NaN on "
+                    "one side only)")
+        gap = np.where(nan_mine, 0, np.abs(mine - ref))
+        i = np.unravel_index(np.argmax(gap), mine.shape)
+        return (f"differs from rank 0 by up to {float(gap[i]):.3e} (at index "
+                f"{tuple(map(int, i))}: {mine[i]} against {ref[i]})")
 
 
 def check_replicated(comm, distributed, values, where):
     """Raise on every rank if a replicated value differs between ranks.
+
+    Values are compared, not bytes: NaN equals NaN and 0.0 equals -0.0.
 
     **Arguments:**
     - `comm`: the Problem's communicator.
@@ -123,14 +161,10 @@ def check_replicated(comm, distributed, values, where):
              "every rank, or be declared in Problem(distributed=...)):"]
     for j, i in enumerate(bad):
         ref = arrays[0][j]
-        for rank, mine in enumerate(arrays):
-            if mine[j].shape != ref.shape:
-                lines.append(f"  {names[i]!r}: rank {rank} has shape {mine[j].shape}, rank 0 "
-                             f"{ref.shape}")
-            elif not np.array_equal(mine[j], ref):
-                diff = float(np.max(np.abs(mine[j] - ref)))
-                lines.append(f"  {names[i]!r}: rank {rank} differs from rank 0 by up to "
-                             f"{diff:.3e}")
+        for rank, mine in enumerate(arrays[1:], start=1):
+            said = _difference(mine[j], ref)
+            if said is not None:
+                lines.append(f"  {names[i]!r}: rank {rank} {said}")
     raise DistopError("\n".join(lines))
 
 

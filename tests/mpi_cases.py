@@ -1153,5 +1153,60 @@ def run_and_compute_totals_gives_what_run_then_compute_totals_give():
         np.testing.assert_array_equal(mine, [np.full(sizes[rank], 2.0 + 2 * rank)])
 
 
+# -- reliability ----------------------------------------------------------------------
+@case("core")
+def replicated_values_are_compared_as_values_and_differences_name_rank_and_size():
+    problem = distop.Problem(lambda x: {"y": x * 1.0}, {"x": np.zeros(2)},
+                             check_replicated=True)
+    signed = np.array([0.0, np.nan]) * (-1.0 if rank % 2 else 1.0)  # -0.0 on odd ranks
+    np.testing.assert_array_equal(problem.run(x=signed)["y"], [0.0, np.nan])
+    differs = np.array([1.0, 2.0 + 1e-3 * (rank == size - 1)])
+    try:
+        problem.run(x=differs)
+    except distop.DistopError as err:
+        text = str(err)
+        assert f"'x': rank {size - 1} differs from rank 0 by up to 1.000e-03" in text, text
+        assert f"'y': rank {size - 1} differs" in text, text
+    else:
+        raise AssertionError("no error for differing replicated values")
+
+
+@case("core")
+def a_dtype_change_of_a_differentiable_input_is_refused_on_every_rank():
+    op = distop.AllreduceSum()
+    problem = distop.Problem(lambda x: {"s": op(jnp.sum(x * x))}, {"x": np.ones(3)})
+    x = np.arange(3) if rank == size - 1 else np.arange(3.0)
+    try:
+        problem.run(x=x)
+    except TypeError as err:  # this rank's own refusal
+        assert rank == size - 1 and "is float64 at this Problem's point" in str(err), err
+        assert "x.astype(numpy.float64)" in str(err), err
+    except distop.DistopError as err:  # another rank's
+        assert rank != size - 1 and "int64" in str(err), err
+    else:
+        raise AssertionError("no error for an integer array in place of a float input")
+    # a list of numbers takes the input's dtype; the Problem goes on as before
+    assert problem.run(x=[1, 2, 3])["s"] == 14.0 * size
+
+
+@case("core")
+def a_problem_keeps_the_programs_of_its_most_recent_shapes_only():
+    os.environ["DISTOP_CACHE_SIZE"] = "3"
+    try:
+        op = distop.AllreduceSum()
+        problem = distop.Problem(lambda b: {"s": op(jnp.sum(b * b))}, {"b": np.ones(1)},
+                                 distributed=["b"])
+    finally:
+        del os.environ["DISTOP_CACHE_SIZE"]
+    programs = problem._programs
+    for n in [2, 3, 4, 5, 2, 6, 2]:  # 2 comes back after it was evicted, then stays
+        b = np.full(n + rank, 1.0)  # uneven blocks
+        assert problem.run(b=b)["s"] == sum(n + r for r in range(size))
+        J = problem.compute_totals()["s", "b"]
+        np.testing.assert_array_equal(J, np.full((1, sum(n + r for r in range(size))), 2.0))
+        assert len(programs.layouts) <= 3
+        assert {id(v) for v in programs.layouts.values()} >= {k[2] for k in programs.programs}
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

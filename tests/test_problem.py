@@ -1,6 +1,8 @@
 """Problem in a single process: run, compute_totals in every mode, names, recompiling."""
 
+import gc
 import os
+import threading
 import warnings
 
 import distributed_matvec as dm
@@ -1362,3 +1364,69 @@ def test_models_with_nothing_to_differentiate():
     assert ints_out.run()["k"].tolist() == [0, 1, 8] and ints_out.compute_totals() == {}
     assert [e.phase for e in ints_out.schedule] == ["forward"]
     assert ints_out.run_and_compute_totals()[1] == {}
+
+
+def test_threads_calling_one_problem_take_turns_and_lose_no_result():
+    op = Cube(ordered=True)
+    problem = distop.Problem(lambda x: {"s": jnp.sum(op(x))}, {"x": np.ones(2)})
+    other = distop.Problem(lambda x: {"s": 2.0 * jnp.sum(op(x))}, {"x": np.ones(2)})
+    failures = []
+
+    def work(p, k, c):
+        for i in range(200):
+            x = np.array([float(i), float(k)])
+            try:
+                s = p.run(x=x)["s"] if i % 3 else p.run_and_compute_totals(
+                    inputs={"x": x})[0]["s"]
+                if s != c * np.sum(x ** 3):
+                    failures.append((k, i, s))
+            except Exception as err:  # noqa: BLE001 - collected for the assertion
+                failures.append((k, i, repr(err)))
+
+    threads = [threading.Thread(target=work, args=args)
+               for args in ((problem, 1, 1.0), (problem, 2, 1.0), (other, 3, 2.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+
+
+def test_a_dtype_change_of_a_differentiable_input_is_refused_at_the_call():
+    problem = distop.Problem(lambda x, n: {"s": jnp.sum(x * x) * n}, {"x": np.ones(3), "n": 2})
+    with pytest.raises(TypeError, match=r"run\(x=...\): input 'x' is float64 .* int64.*"
+                                        r"x.astype\(numpy.float64\)"):
+        problem.run(x=np.arange(3))
+    with pytest.raises(TypeError, match="is float64 at this Problem's point, and the array "
+                                        "passed is float32"):
+        problem.run_and_compute_totals(inputs={"x": np.ones(3, np.float32)})
+    assert problem.run(x=[1, 2, 3])["s"] == 28.0  # numbers take the input's dtype
+    assert problem.run(n=3)["s"] == 42.0  # an integer input may change as it likes
+    np.testing.assert_array_equal(problem.compute_totals()["s", "x"], [[6.0, 12.0, 18.0]])
+
+
+def test_the_programs_of_the_least_recently_used_shapes_are_let_go(monkeypatch):
+    monkeypatch.setenv("DISTOP_CACHE_SIZE", "2")
+    op = Cube(ordered=True)
+    problem = distop.Problem(lambda x: {"s": jnp.sum(op(x))}, {"x": np.ones(1)})
+    before = len(distop._ffi._calls)
+    for n in [2, 3, 4, 5, 6, 2, 7, 8]:
+        assert problem.run(x=np.ones(n))["s"] == n
+        np.testing.assert_array_equal(problem.compute_totals()["s", "x"], np.full((1, n), 3.0))
+        assert len(problem._programs.layouts) <= 2
+    gc.collect()
+    assert len(distop._ffi._calls) - before <= 2 * 3  # (run, totals: their call sites)
+    monkeypatch.setenv("DISTOP_CACHE_SIZE", "0")
+    with pytest.raises(ValueError, match="DISTOP_CACHE_SIZE='0': expected a whole number"):
+        distop.Problem(lambda x: {"s": jnp.sum(x)}, {"x": np.ones(1)})
+
+
+def test_replicated_values_compare_as_values():
+    from distop._totals import _difference, _digest
+
+    assert _digest(np.array([0.0, np.nan])) == _digest(np.array([-0.0, np.nan]))
+    assert _difference(np.array([-0.0, np.nan]), np.array([0.0, np.nan])) is None
+    assert "by up to 1.000e+00 (at index (1,)" in _difference(np.array([1.0, 3.0]),
+                                                             np.array([1.0, 2.0]))
+    assert "NaN on one side only" in _difference(np.array([np.nan]), np.array([1.0]))
+    assert "has shape (2,), rank 0 (1,)" in _difference(np.ones(2), np.ones(1))

@@ -8,7 +8,8 @@ dependency that XLA must respect), and the final token is a program output, so n
 is dropped. Each call site carries a unique `call_id` attribute, so XLA never merges two
 calls. The handler answers XLA's metadata query, reports Python errors through the FFI
 error API (an exception escaping a ctypes callback would read as success), and writes
-results straight into XLA's output buffers.
+results straight into XLA's output buffers. It reads XLA's structs through the mirror of
+XLA's FFI C API in `_xla_ffi`, which registration checks against the running jaxlib.
 """
 
 import ctypes as C
@@ -16,11 +17,25 @@ import itertools
 import sys
 import threading
 
-import jax.numpy as jnp
 import numpy as np
 
+from . import _xla_ffi
 from ._compat import x64_enabled
 from ._coordinator import offered, withdraw
+from ._errors import DistopError
+from ._xla_ffi import (
+    DTYPES,
+    ERROR_CREATE_ARGS_SIZE,
+    EXECUTE,
+    INTERNAL,
+    METADATA,
+    Api,
+    Buffer,
+    CallFrame,
+    ErrorCreateArgs,
+    MetadataExtension,
+    Scalar,
+)
 
 TARGET = "distop_host_call"
 _calls = {}  # call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
@@ -28,74 +43,7 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 _registered = False
 
-_DTYPES = {1: np.bool_, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.uint8,
-           7: np.uint16, 8: np.uint32, 9: np.uint64, 10: np.float16, 11: np.float32,
-           12: np.float64, 15: np.complex64, 16: jnp.bfloat16, 18: np.complex128}
-_EXECUTE = 3
-_METADATA = 1
-_INTERNAL = 13
-
-
-# -- the XLA FFI C API (xla/ffi/api/c_api.h), as far as the handler needs it -------------
-class _ExtensionBase(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("type", C.c_int), ("next", C.c_void_p)]
-
-
-class _ApiVersion(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("major", C.c_int), ("minor", C.c_int)]
-
-
-class _Metadata(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("api_version", _ApiVersion),
-                ("traits", C.c_uint32), ("state_type_id", C.c_int64)]
-
-
-class _MetadataExtension(C.Structure):
-    _fields_ = [("extension_base", _ExtensionBase), ("metadata", C.POINTER(_Metadata))]
-
-
-class _Buffer(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("dtype", C.c_int), ("data", C.c_void_p), ("rank", C.c_int64),
-                ("dims", C.POINTER(C.c_int64))]
-
-
-class _Values(C.Structure):  # XLA_FFI_Args and XLA_FFI_Rets share this layout
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("size", C.c_int64), ("types", C.POINTER(C.c_int)),
-                ("values", C.POINTER(C.c_void_p))]
-
-
-class _Scalar(C.Structure):
-    _fields_ = [("dtype", C.c_int), ("value", C.c_void_p)]
-
-
-class _Attrs(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("size", C.c_int64), ("types", C.POINTER(C.c_int)),
-                ("names", C.c_void_p), ("attrs", C.POINTER(C.c_void_p))]
-
-
-class _CallFrame(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(_ExtensionBase)),
-                ("api", C.c_void_p), ("ctx", C.c_void_p), ("stage", C.c_int),
-                ("args", _Values), ("rets", _Values), ("attrs", _Attrs),
-                ("future", C.c_void_p)]
-
-
-class _ErrorCreateArgs(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("message", C.c_char_p), ("errc", C.c_int)]
-
-
-class _Api(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("api_version", _ApiVersion), ("internal_api", C.c_void_p),
-                ("error_create", C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs)))]
-
-
-_DATA = _Buffer.data.offset
+_DATA = Buffer.data.offset
 _plans = {}  # call_id -> the _Slots of its arguments, of its results
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
 # memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
@@ -149,9 +97,9 @@ class _Slot:
     __slots__ = ("advise", "dtype", "nbytes", "shape", "size", "space")
 
     def __init__(self, address, writeable):
-        b = _Buffer.from_address(address)
+        b = Buffer.from_address(address)
         self.shape = tuple(b.dims[i] for i in range(b.rank))
-        self.dtype = np.dtype(_DTYPES[b.dtype])
+        self.dtype = np.dtype(DTYPES[b.dtype])
         self.size = int(np.prod(self.shape))
         self.nbytes = self.size * self.dtype.itemsize
         self.space = _SPACE[writeable]
@@ -182,15 +130,12 @@ def _handler(frame_pointer):
     frame = frame_pointer.contents
     try:
         extension = frame.extension_start
-        if extension and extension.contents.type == _METADATA:
-            metadata = C.cast(extension, C.POINTER(_MetadataExtension)).contents.metadata
-            metadata.contents.api_version.major = 0
-            metadata.contents.api_version.minor = 1
-            metadata.contents.traits = 0
+        if extension and extension.contents.type == METADATA:
+            _answer(frame_pointer, extension)
             return None
-        if frame.stage != _EXECUTE:
+        if frame.stage != EXECUTE:
             return None
-        scalar = _Scalar.from_address(frame.attrs.attrs[0])
+        scalar = Scalar.from_address(frame.attrs.attrs[0])
         call_id = C.c_int64.from_address(scalar.value).value
         call = _calls[call_id]
         arg_values, ret_values = frame.args.values, frame.rets.values
@@ -217,29 +162,126 @@ def _handler(frame_pointer):
                 out[...] = result
         return None
     except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
-        api = C.cast(frame.api, C.POINTER(_Api)).contents
+        api = C.cast(frame.api, C.POINTER(Api)).contents
         text = f"{type(err).__name__}: {err}".encode("utf-8", "backslashreplace")
-        args = _ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, text, _INTERNAL)
+        args = ErrorCreateArgs(ERROR_CREATE_ARGS_SIZE, None, text, INTERNAL)
         return api.error_create(C.byref(args))
 
 
-_HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))(_handler)
+_HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(CallFrame))(_handler)
+# What XLA's metadata query found while `_register_target` registers the handler: the
+# `_xla_ffi.Report` of an API that fits the mirror, a `DistopError` saying why it does
+# not, or None before the query.
+_found = None
+
+
+def _answer(frame_pointer: "C._Pointer[CallFrame]",
+            extension: "C._Pointer[_xla_ffi.ExtensionBase]") -> None:
+    """Answer XLA's metadata query, once the C API that makes it is found to fit the
+    mirror in `_xla_ffi`; XLA makes the query as it registers the handler.
+
+    Where the API does not fit, no further field of the query is read or written and
+    no XLA function is called, since either may lie elsewhere than the mirror says.
+    The query stays unanswered, so XLA refuses the handler, and `_register_target`
+    raises the `DistopError` left in `_found`.
+
+    **Arguments:**
+
+    - `frame_pointer`: the query's call frame.
+    - `extension`: the frame's metadata extension.
+    """
+    global _found
+    try:
+        report = _xla_ffi.report(frame_pointer)
+        problem = _xla_ffi.incompatibility(report)
+        if problem is None:
+            metadata = C.cast(extension, C.POINTER(MetadataExtension)).contents.metadata
+            metadata.contents.api_version.major_version = _xla_ffi.MAJOR
+            metadata.contents.api_version.minor_version = _xla_ffi.MINOR
+            metadata.contents.traits = 0
+            _found = report
+        else:
+            _found = _unavailable(report.version, problem)
+    except BaseException as err:  # noqa: BLE001 - an escaping exception reads as success
+        _found = _unavailable(None, f"checking it raised {type(err).__name__}: {err}")
+
+
+def _unavailable(version: tuple[int, int] | None, problem: str) -> DistopError:
+    """The error of a jaxlib whose FFI C API does not fit the mirror in `_xla_ffi`.
+
+    **Arguments:**
+
+    - `version`: the jaxlib's (major, minor) FFI API version, None where unknown.
+    - `problem`: a clause saying what does not fit (`_xla_ffi.incompatibility`).
+
+    **Returns:** the error, naming both versions and the fallback.
+    """
+    import jaxlib
+
+    ours = f"{_xla_ffi.MAJOR}.{_xla_ffi.MINOR}"
+    theirs = "an unknown version" if version is None else f"version {version[0]}.{version[1]}"
+    return DistopError(
+        f"Problem's lean path cannot use jaxlib {jaxlib.__version__}: distop mirrors "
+        f"XLA's FFI C API version {ours} (xla/ffi/api/c_api.h), jaxlib "
+        f"{jaxlib.__version__} has {theirs}, and {problem}. "
+        "The lean path is unavailable with this jaxlib, since its host calls read "
+        "XLA's structs through that mirror. "
+        "Pass Problem(..., backend='io_callback') or set DISTOP_BACKEND=io_callback.")
+
+
+def _register_target(name: str) -> _xla_ffi.Report:
+    """Register the handler with XLA as the CPU FFI target `name`, checking on the way
+    that the running jaxlib's FFI C API fits the mirror in `_xla_ffi`.
+
+    The check runs in XLA's metadata query, the handler's first call, before any
+    program runs: a mismatch is a `DistopError` here, on every rank alike, rather than
+    a fallback to `io_callback` that would leave every program silently slower. The
+    handler's calls that run programs do not check again.
+
+    **Arguments:**
+
+    - `name`: the target's name.
+
+    **Returns:** what the metadata query read of the API version and struct sizes.
+
+    **Raises:** `DistopError` where the API does not fit or could not be checked.
+    """
+    global _found
+    import jax
+
+    # XLA queries the metadata during registration only once the CPU backend exists;
+    # before, the query would run inside the backend's creation, beyond our reach.
+    jax.local_devices(backend="cpu")
+    _found = None
+    try:
+        jax.ffi.register_ffi_target(
+            name, jax.ffi.pycapsule(C.cast(_HANDLER, C.c_void_p).value), platform="cpu")
+        refused = None
+    except Exception as err:  # noqa: BLE001 - our own verdict, where there is one, says why
+        refused = err
+    found, _found = _found, None
+    if isinstance(found, DistopError):
+        raise found
+    if refused is not None:
+        raise refused
+    if found is None:
+        raise _unavailable(None, "XLA registered the handler without querying its "
+                                 "metadata, where the check runs")
+    return found
 
 
 def register(call):
     """Give `call` (a lean `HostCall`, `FusedCall` or `RolledCall`, when lowered) a
-    unique id for its call site; register the FFI target with XLA on first use.
+    unique id for its call site; register the FFI target with XLA on first use (see
+    `_register_target`).
 
     **Returns:** the id, passed to the target as the `call_id` attribute.
     """
     global _registered
-    import jax
 
     with _lock:
         if not _registered:
-            jax.ffi.register_ffi_target(
-                TARGET, jax.ffi.pycapsule(C.cast(_HANDLER, C.c_void_p).value),
-                platform="cpu")
+            _register_target(TARGET)
             _registered = True
         call_id = next(_ids)
         _calls[call_id] = call

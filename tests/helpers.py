@@ -142,6 +142,28 @@ def mpiexec():
     return found
 
 
+def launcher():
+    """**Returns:** (the mpiexec command, the environment it needs) for the MPI library
+    mpi4py loaded here: Open MPI's refuses more ranks than cores and, as root, any job,
+    unless told otherwise."""
+    if "open mpi" not in MPI.Get_library_version().lower():
+        return [mpiexec()], {}
+    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if (
+        os.geteuid() == 0) else {}
+    return [mpiexec(), "--oversubscribe"], env
+
+
+def load_factor():
+    """**Returns:** how many times longer than on an idle machine a job may take here:
+    the load per core, at least 1 and at most 4. Time limits scale with it, so a busy
+    machine does not fail a slow case, and a hang still ends."""
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 1.0
+    return min(4.0, max(1.0, load))
+
+
 def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     """Run `script` under `mpiexec -n nprocs` with a watchdog.
 
@@ -161,10 +183,13 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
 
     **Returns:** `(returncode, output)` with stdout and stderr merged.
     """
-    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
+    command, launch_env = launcher()
+    cmd = [*command, "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                       PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]))
+                       PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]),
+                       **launch_env)
     environment.update(env or {})
+    timeout *= load_factor()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT,
                             text=True, env=environment, start_new_session=True)
@@ -183,8 +208,10 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     return proc.returncode, output
 
 
-# seconds: a case still running then has hung (each takes a few seconds)
+# seconds: a case still running then has hung (each takes a few seconds on an idle
+# machine); scaled by the machine's load when the case starts, unless set
 CASE_LIMIT = float(os.environ.get("DISTOP_TEST_CASE_LIMIT", 100))
+_SCALED = "DISTOP_TEST_CASE_LIMIT" not in os.environ
 
 
 def run_cases(cases, comm=None):
@@ -198,7 +225,8 @@ def run_cases(cases, comm=None):
     try:
         for fn in cases:
             name = fn.__name__
-            timer = threading.Timer(CASE_LIMIT, _hung, (comm, name))
+            limit = CASE_LIMIT * (load_factor() if _SCALED else 1.0)
+            timer = threading.Timer(limit, _hung, (comm, name, limit))
             timer.daemon = True
             timer.start()
             try:
@@ -213,12 +241,12 @@ def run_cases(cases, comm=None):
     finish(comm)
 
 
-def _hung(comm, name):
+def _hung(comm, name, limit):
     """A case's watchdog: print where this rank stands (every thread's stack), give the
     other ranks' watchdogs a moment to print theirs, and abort the job."""
     import faulthandler
 
-    print(f"rank {comm.rank} of {comm.size}: {name} still running after {CASE_LIMIT:g} s "
+    print(f"rank {comm.rank} of {comm.size}: {name} still running after {limit:g} s "
           "(hung); where this rank stands:", flush=True)
     faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
     sys.stdout.flush()

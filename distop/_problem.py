@@ -21,6 +21,7 @@ from . import _comm, _ffi, _rewrite, _safety, _schedule, _totals
 from ._callback import inexact_dtype, take_error
 from ._compat import JaxRuntimeError, x64_enabled
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
+from ._operator import host_call_p
 
 MODES = ("batched", "loop", "unrolled")
 BACKENDS = ("lean", "io_callback")
@@ -823,8 +824,6 @@ class Problem:
         return rewritten
 
     def _rewrite(self, found, layout, specs, closed, joins, spans):
-        from ._operator import host_call_p
-
         changed = closed is not found[2]
         narrowed = _rewrite.narrow(closed, spans)
         if narrowed is not None:

@@ -2,18 +2,19 @@
 
 import importlib.metadata
 
-from . import _comm, _compat
+from . import _compat, _runtime
 from ._collectives import Allgather as Allgather
 from ._collectives import AllreduceSum as AllreduceSum
 from ._collectives import Alltoall as Alltoall
 from ._collectives import Broadcast as Broadcast
 from ._collectives import RankLocal as RankLocal
 from ._collectives import Split as Split
+from ._config import configure as configure
 from ._errors import CollectiveMismatchError as CollectiveMismatchError
 from ._errors import DerivativeCheckError as DerivativeCheckError
 from ._errors import DistopError as DistopError
-from ._errors import MissingMethodError as MissingMethodError
 from ._errors import LauncherMismatchError as LauncherMismatchError
+from ._errors import MissingMethodError as MissingMethodError
 from ._errors import MPIUnavailableError as MPIUnavailableError
 from ._errors import OperatorError as OperatorError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
@@ -21,7 +22,6 @@ from ._errors import SecondDerivativeError as SecondDerivativeError
 from ._operator import DistributedOperator as DistributedOperator
 from ._problem import Problem as Problem
 from ._problem import empty as empty
-from ._safety import configure as configure
 from ._schedule import ScheduleEntry as ScheduleEntry
 from ._totals import TotalsCheck as TotalsCheck
 from ._totals import shard as shard
@@ -33,4 +33,4 @@ _compat.prefer_inline_execution()
 
 # Check the launcher against the MPI library before mpi4py starts MPI (nothing above
 # starts it), then start it.
-_comm.start()
+_runtime.start()

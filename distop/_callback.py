@@ -11,11 +11,15 @@ import math
 import sys
 import threading
 import traceback
+from typing import Any
 
 import numpy as np
 
 from . import _safety
+from ._comm import checker
+from ._config import settings
 from ._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
+from ._runtime import abort
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
@@ -23,7 +27,14 @@ _last_error = None
 _error_lock = threading.Lock()
 
 
-def _inexact(spec):
+def inexact_spec(spec: Any) -> bool:
+    """Whether values of an array spec are differentiable (see `inexact_dtype`).
+
+    **Arguments:**
+    - `spec`: anything with a `dtype` (a `jax.ShapeDtypeStruct`, an array).
+
+    **Returns:** True for floating-point and complex dtypes.
+    """
     return inexact_dtype(spec.dtype)
 
 
@@ -41,7 +52,7 @@ def _linear_specs(phase, in_specs, out_specs):
     """The specs of a method's (co)tangent arguments: of the floating-point inputs
     (`jvp`) or outputs (`vjp`); none for `forward`."""
     specs = () if phase == "forward" else in_specs if phase == "jvp" else out_specs
-    return tuple(s for s in specs if _inexact(s))
+    return tuple(s for s in specs if inexact_spec(s))
 
 
 def rows_of(mask):
@@ -106,8 +117,8 @@ class HostCall:
         self.ffi_id = None  # set when lowered (see _ffi.register)
         self.origin = None  # the traced call this one stands for (see `narrowed`)
         self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
-        diff_in = tuple(i for i, s in enumerate(in_specs) if _inexact(s))
-        diff_out = tuple(i for i, s in enumerate(out_specs) if _inexact(s))
+        diff_in = tuple(i for i, s in enumerate(in_specs) if inexact_spec(s))
+        diff_out = tuple(i for i, s in enumerate(out_specs) if inexact_spec(s))
         if phase == "forward":
             self.slots, self.n_slots, self.result_picks = (), 0, None
             self.result_specs = self.out_specs
@@ -134,10 +145,7 @@ class HostCall:
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self.checker = None
-        if (_safety.settings.check_collectives and comm is not None
-                and comm.Get_size() > 1):
-            from ._comm import checker
-
+        if settings.check_collectives and comm is not None and comm.Get_size() > 1:
             self.checker = checker(comm)
 
     def __repr__(self):
@@ -443,8 +451,6 @@ class HostCall:
         elif size > 1 and not isinstance(err, CollectiveMismatchError):
             # The other ranks may already wait in a collective (this operator's or a later
             # one) and cannot be told: report where we stand and end the job, never hang.
-            from ._comm import abort
-
             abort(self.comm, f"distop: {err}\n{traceback.format_exc()}"
                              f"distop: aborting all {size} ranks.")
         with _error_lock:

@@ -10,8 +10,9 @@ costs one collective.
 import jax
 import numpy as np
 
-from ._comm import mpi, private
+from ._comm import private
 from ._operator import DistributedOperator
+from ._runtime import mpi
 
 
 def _even_counts(total, parts):

@@ -2,7 +2,7 @@
 
 import jax
 
-from ._safety import env_flag
+from ._config import env_flag
 
 # jax.errors.JaxRuntimeError is the public name of XLA's runtime error since jax 0.4.36;
 # older releases only expose jaxlib's XlaRuntimeError. Drop when the minimum passes 0.4.36.

@@ -8,7 +8,9 @@ rank a world of size 1, so N copies of a one-rank job run side by side. Set
 `DISTOP_SKIP_LAUNCH_CHECK=1` to skip the checks for unusual setups.
 """
 
-from ._safety import env_flag
+from collections.abc import Mapping
+
+from ._config import env_flag
 
 
 def _library_family(version):
@@ -20,8 +22,15 @@ def _library_family(version):
     return "an unknown MPI"
 
 
-def _launcher(env):
-    """**Returns:** (launcher description, number of processes it started or None)."""
+def detect_launcher(env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    """Recognize the launcher that started this process from its environment.
+
+    **Arguments:**
+    - `env`: the environment (a mapping, e.g. `os.environ`).
+
+    **Returns:** (launcher description, number of processes it started or None), or
+    (None, None) where no launcher is recognized.
+    """
     if "OMPI_COMM_WORLD_SIZE" in env:
         return "Open MPI's mpiexec (OMPI_COMM_WORLD_SIZE)", int(env["OMPI_COMM_WORLD_SIZE"])
     if "PMIX_RANK" in env or "PMIX_NAMESPACE" in env:
@@ -51,7 +60,7 @@ def diagnose(env, library_version, world_size=None):
     None if all is well.
     """
     family = _library_family(library_version)
-    launcher, started = _launcher(env)
+    launcher, started = detect_launcher(env)
     if launcher is None:
         return None
     pmix = "PMIx" in launcher

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _comm, _ffi
-from ._callback import HostCall, _inexact
+from ._callback import HostCall, inexact_spec
 from ._compat import (ORDERED_IO_EFFECT, STRUCTURED_RESIDUALS, ShapedArray,
                       fallback_linearize_rule, no_effects, primitive_linearizations)
 from ._errors import MissingMethodError, SecondDerivativeError
@@ -295,7 +295,7 @@ def _tangents_out(call, token, inputs, tangents):
     linear = [ad.instantiate_zeros(tangents[i]) for i in jvp.slots]
     first = [token] if call.lean else []
     touts = iter(host_call_p.bind(*first, *linear, *inputs, call=jvp)[len(first):])
-    out = [next(touts) if _inexact(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
+    out = [next(touts) if inexact_spec(s) else ad.Zero(ShapedArray(s.shape, s.dtype)
                                                    .to_tangent_aval())
            for s in call.out_specs]
     return [ad.Zero(_token_aval().to_tangent_aval())] + out if call.lean else out
@@ -319,7 +319,7 @@ def _linearize(is_vjp, nonzeros, *primals, call):
             return _tangents_out(call, residuals[0], residuals[1:], tangents[1:])
         return _tangents_out(call, None, residuals, tangents)
 
-    nonzero_out = [False] * call.lean + [_inexact(s) for s in call.out_specs]
+    nonzero_out = [False] * call.lean + [inexact_spec(s) for s in call.out_specs]
     if STRUCTURED_RESIDUALS:
         return outs, nonzero_out, residuals, None, linearized
     return outs, nonzero_out, residuals, linearized
@@ -366,7 +366,7 @@ def _batch(args, dims, *, call):
 
 
 def _diff(specs):
-    return [i for i, s in enumerate(specs) if _inexact(s)]
+    return [i for i, s in enumerate(specs) if inexact_spec(s)]
 
 
 def _missing(op, phase):

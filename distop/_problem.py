@@ -9,8 +9,9 @@ import os
 import threading
 from collections.abc import Callable
 
-from . import _comm, _safety, _totals
+from . import _comm, _totals
 from ._arguments import FORMATS, MODES, cache_size, check_arguments, check_names, moved
+from ._config import env_flag
 from ._coordinator import Coordinator
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._execution import Executor
@@ -84,7 +85,7 @@ class Problem:
         self.check_replicated = check_replicated
         self._coordinator = Coordinator(self.comm, self.distributed)
         self._lock = threading.RLock()  # (see `_one_at_a_time`)
-        fuse = _safety.env_flag("DISTOP_FUSE", True) if fuse is None else bool(fuse)
+        fuse = env_flag("DISTOP_FUSE", True) if fuse is None else bool(fuse)
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)

@@ -13,6 +13,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from . import _comm, _ffi, _rewrite, _safety, _schedule
 from ._compat import x64_enabled
+from ._config import settings
 from ._coordinator import Coordinator
 from ._errors import DistopError
 from ._layout import Layout, TracingInputs, seeds, unit_seeds
@@ -208,7 +209,7 @@ class Programs:
         with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
             schedule = _schedule.agree(self.comm, name,
                                        _schedule.extract(jaxpr, traced))
-        checker = (_comm.checker(self.comm) if _safety.settings.check_collectives
+        checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
         calls = _rewrite.lean_calls(jaxpr.jaxpr)
         # Its first host call may make the agreement (see `_Agreement`) where nothing

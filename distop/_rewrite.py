@@ -42,9 +42,9 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, Var, jaxpr_a
 
 from . import _safety
 from ._callback import rows_of
-from ._comm import mpi
 from ._compat import ShapedArray
 from ._ffi import has_lean
+from ._runtime import mpi
 
 SEGMENT = 64  # host calls per segment of a long chain
 

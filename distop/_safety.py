@@ -1,22 +1,18 @@
-"""Run-time safety: settings, the watchdog that bounds every wait, and the checking mode
-that verifies across ranks, before each collective, that all ranks issue the same one.
+"""Run-time safety: the watchdog that bounds every wait, and the checking mode that
+verifies across ranks, before each collective, that all ranks issue the same one.
 
-Settings come from environment variables when distop is imported and can be changed
-with `distop.configure`; they apply to programs traced afterwards.
-- `DISTOP_CHECK_COLLECTIVES=1` (default 0): the checking mode.
-- `DISTOP_WATCHDOG=SECONDS` (default 600; 0 turns it off): the longest a rank may wait
-  inside one distop callback or agreement step before it reports where it stands and
-  aborts the job.
+Both act on the settings of `_config` (`DISTOP_WATCHDOG`, `DISTOP_CHECK_COLLECTIVES`).
 """
 
-import dataclasses
-import os
 import threading
 import time
 
 import numpy as np
 
+# `env_flag` stays importable from here, for code written before `_config` held it.
+from ._config import env_flag, settings  # noqa: F401
 from ._errors import CollectiveMismatchError
+from ._runtime import abort, world
 
 # MPI methods that communicate with every rank of the communicator.
 COLLECTIVES = frozenset(
@@ -26,64 +22,6 @@ COLLECTIVES = frozenset(
 # Collectives whose counts may legitimately differ between ranks.
 VARIABLE = frozenset("Allgatherv Alltoallv Alltoallw Gatherv Scatterv allgather gather "
                      "scatter alltoall bcast reduce allreduce scan exscan".split())
-
-
-def env_flag(name, default):
-    """**Returns:** the yes/no setting in environment variable `name`: 1, true, yes, on
-    (or any other nonzero integer) or 0, false, no, off, in any case; `default` where it
-    is unset or empty.
-
-    **Raises:** ValueError naming the variable, for any other value."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("true", "yes", "on"):
-        return True
-    if value in ("false", "no", "off"):
-        return False
-    try:
-        return int(value) != 0
-    except ValueError:
-        pass
-    raise ValueError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on, or 0, "
-                     "false, no or off.")
-
-
-def _seconds(name, default):
-    value = os.environ.get(name, "").strip()
-    try:
-        return float(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name}={os.environ[name]!r}: expected a number of seconds "
-                         "(0 turns it off).") from None
-
-
-@dataclasses.dataclass
-class Settings:
-    """distop's run-time settings (see the module docstring)."""
-
-    check_collectives: bool = env_flag("DISTOP_CHECK_COLLECTIVES", False)
-    watchdog: float = _seconds("DISTOP_WATCHDOG", 600.0)
-
-
-settings = Settings()
-
-
-def configure(*, check_collectives=None, watchdog=None):
-    """Change distop's run-time settings; they apply to programs traced afterwards.
-
-    **Arguments:**
-    - `check_collectives`: the run-time checking mode (env `DISTOP_CHECK_COLLECTIVES`).
-    - `watchdog`: seconds a rank may wait in one distop step before aborting the job
-      (env `DISTOP_WATCHDOG`; 0 turns it off).
-
-    **Returns:** the `Settings` now in force.
-    """
-    if check_collectives is not None:
-        settings.check_collectives = bool(check_collectives)
-    if watchdog is not None:
-        settings.watchdog = float(watchdog)
-    return settings
 
 
 # -- the watchdog ---------------------------------------------------------------------
@@ -139,8 +77,6 @@ class Watchdog:
 
     @staticmethod
     def _abort(stuck):
-        from ._comm import abort, world
-
         comm = world()
         # (the checking mode names a rank whose schedule differs only while that rank
         # still takes part in the checks: not one that left, or that waits elsewhere)

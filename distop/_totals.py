@@ -13,8 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._comm import world
 from ._errors import DerivativeCheckError, DistopError
+from ._runtime import world
 from ._tracing import FDOptions
 
 FORMS = {"central": (1.0, -1.0), "forward": (1.0,), "backward": (-1.0,)}

@@ -4,11 +4,7 @@ import jax
 
 from ._config import env_flag
 
-# jax.errors.JaxRuntimeError is the public name of XLA's runtime error since jax 0.4.36;
-# older releases only expose jaxlib's XlaRuntimeError. Drop when the minimum passes 0.4.36.
-JaxRuntimeError = getattr(jax.errors, "JaxRuntimeError", None)
-if JaxRuntimeError is None:  # pragma: no cover
-    from jaxlib.xla_extension import XlaRuntimeError as JaxRuntimeError  # noqa: F401
+JaxRuntimeError = jax.errors.JaxRuntimeError  # XLA's runtime error
 
 
 def x64_enabled():
@@ -47,7 +43,7 @@ try:
     if not STRUCTURED_RESIDUALS and "residuals, linearized = lin(" not in _caller:
         raise ImportError("another calling convention")
 except (ImportError, OSError, TypeError):  # pragma: no cover - other jax releases
-    fallback_linearize_rule = primitive_linearizations = None
+    fallback_linearize_rule = primitive_linearizations = None  # type: ignore[assignment]
     STRUCTURED_RESIDUALS = False
 
 

@@ -137,6 +137,7 @@ class Coordinator:
             if refused is not None:
                 raise refused
             return (), False
+        fixed: tuple | None
         if refused is not None:  # (a hash is never negative)
             fixed = ((REFUSED, f"{type(refused).__name__}: {refused}", None), -1)
         else:

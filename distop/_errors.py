@@ -4,6 +4,8 @@
 class DistopError(Exception):
     """Base class of every error distop raises on purpose."""
 
+    elsewhere = False  # whether it reports a failure on another rank, not this one's
+
 
 class OperatorError(DistopError, RuntimeError):
     """A user operator failed or returned something unexpected.

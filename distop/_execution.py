@@ -29,7 +29,7 @@ class Executor:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         self.token = jnp.zeros((), _ffi.token_dtype())
-        self.calls = 0  # the token's value: lean host calls run so far
+        self.calls = 0.0  # the token's value: lean host calls run so far
         self.on_device = DeviceCache()
 
     def __call__(self, program: Program, point: dict) -> dict:

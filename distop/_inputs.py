@@ -2,6 +2,7 @@
 
 import math
 import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 from ._compat import x64_enabled
 
 
-def as_input(where, value, copy=True):
+def as_input(where: str, value: Any, copy: bool | None = True) -> np.ndarray:
     """An input as distop keeps it: see `Problem`'s `copy` (True, None or False)."""
     if isinstance(value, jax.Array) and value.is_fully_addressable:
         # immutable already: a read-only view of its memory, no copy (see `to_device`)
@@ -55,7 +56,7 @@ def as_input(where, value, copy=True):
                      "pass copy=None to copy such arrays.")
 
 
-def _narrows(dtype):
+def _narrows(dtype: np.dtype) -> np.dtype | None:
     """**Returns:** the narrower dtype JAX would make of `dtype` (in its 32-bit mode),
     or None."""
     if x64_enabled():
@@ -64,7 +65,7 @@ def _narrows(dtype):
     return narrow if narrow.itemsize < dtype.itemsize else None
 
 
-def _numeric(dtype):
+def _numeric(dtype: np.dtype) -> bool:
     """Whether JAX takes arrays of `dtype` as numbers (bfloat16 and the other ml_dtypes
     floats included: numpy gives them kind 'V')."""
     return dtype.kind in "biufc" or (dtype.kind == "V" and not dtype.fields
@@ -74,7 +75,7 @@ def _numeric(dtype):
 ALIGN = 64  # the alignment at which XLA's CPU client reads a host buffer in place
 
 
-def empty(shape, dtype=float):
+def empty(shape: Any, dtype: Any = float) -> np.ndarray:
     """A new, uninitialized numpy array that XLA can read in place: C-contiguous, at a
     64-byte-aligned address (numpy's own are usually 16 bytes off it, and XLA copies
     those). With `Problem(..., copy=None)`, an input made here is shared, not copied:
@@ -100,7 +101,7 @@ def empty(shape, dtype=float):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _copy_needed(array):
+def _copy_needed(array: np.ndarray) -> str | None:
     """**Returns:** why XLA would not read `array` in place (see `empty`), or None."""
     if not array.flags.c_contiguous:
         return "it is not C-contiguous"
@@ -111,7 +112,7 @@ def _copy_needed(array):
     return None
 
 
-def _aligned_copy(array):
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
     """distop's own copy of an input (so that changing the caller's array later changes
     nothing here), made by `empty`: `DeviceCache` then hands it to the programs without a
     second copy. In the machine's byte order (JAX takes no other)."""

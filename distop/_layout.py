@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,13 +19,17 @@ class Layout:
     inputs: dict
     outputs: dict
     counts: dict  # name -> tuple of axis-0 sizes, one per rank (distributed names only)
+    # made from the above once (every compute_totals reads them):
+    differentiable: dict = dataclasses.field(init=False, compare=False)  # floating names
+    _sizes: dict = dataclasses.field(init=False, repr=False, compare=False)
+    _offsets: dict = dataclasses.field(init=False, repr=False, compare=False)
 
-    def spec(self, name):
+    def spec(self, name: str) -> jax.ShapeDtypeStruct:
         """**Returns:** the local `jax.ShapeDtypeStruct` of input or output `name`."""
         return self.inputs[name] if name in self.inputs else self.outputs[name]
 
-    def __post_init__(self):
-        sizes = {}  # computed once: every compute_totals reads them
+    def __post_init__(self) -> None:
+        sizes = {}
         for name, spec in {**self.inputs, **self.outputs}.items():
             tail = math.prod(spec.shape[1:]) if spec.shape else 1
             sizes[name] = (sum(self.counts[name]) * tail if name in self.counts
@@ -35,11 +40,11 @@ class Layout:
             which: tuple(k for k, s in specs.items() if inexact_dtype(s.dtype))
             for which, specs in (("inputs", self.inputs), ("outputs", self.outputs))})
 
-    def global_size(self, name):
+    def global_size(self, name: str) -> int:
         """**Returns:** the flat size of `name` over all ranks (its own if replicated)."""
         return self._sizes[name]
 
-    def offsets(self, names):
+    def offsets(self, names: tuple) -> tuple:
         """**Returns:** where each of `names` (a tuple) starts in their global flat
         vectors side by side, and their total size (cached: every compute_totals reads
         them)."""
@@ -49,7 +54,7 @@ class Layout:
                 itertools.accumulate((self._sizes[n] for n in names), initial=0))
         return found
 
-    def local_rows(self, name, rank):
+    def local_rows(self, name: str, rank: int) -> tuple[int, int]:
         """**Returns:** (start, stop) of this rank's flat entries within `name`'s global
         flat vector (all of it if replicated)."""
         if name not in self.counts:
@@ -68,7 +73,7 @@ class TracingInputs:
 
 
 
-def seeds(of, layout, rank, specs_only=False):
+def seeds(of: tuple, layout: Layout, rank: int, specs_only: bool = False) -> tuple:
     """One unit cotangent per global row of the requested outputs: a row of a
     distributed output only on the rank that owns it, a row of a replicated output on
     every rank; zeros for the other outputs, so every operator's VJP runs whatever
@@ -96,7 +101,7 @@ def seeds(of, layout, rank, specs_only=False):
     return tuple(packed)
 
 
-def unit_seeds(of, layout, distributed, size):
+def unit_seeds(of: tuple, layout: Layout, distributed: frozenset, size: int) -> tuple:
     """**Returns:** the indices of the packed seeds of `seeds` that are identity
     matrices, the same on every rank: `of` is every output of that dtype, in
     order, and no output is distributed (a rank's seeds would then hold its own
@@ -108,7 +113,7 @@ def unit_seeds(of, layout, distributed, size):
                  if list(of) == names)
 
 
-def split_seeds(packed, layout):
+def split_seeds(packed: tuple, layout: Layout) -> dict:
     """The per-output cotangent seeds of `seeds`, inside the program."""
     found, total = {}, None
     for seed, names in zip(packed, seed_groups(layout).values()):
@@ -124,7 +129,7 @@ def split_seeds(packed, layout):
     return {name: found[name] for name in layout.outputs}
 
 
-def row(seeds, i):
+def row(seeds: Any, i: int) -> Any:
     """Row `i` of a batch of seeds: an array even where the seeds are `float0` (the
     cotangent of an integer output), which numpy would index to a scalar JAX refuses."""
     if seeds.dtype == jax.dtypes.float0:
@@ -132,10 +137,10 @@ def row(seeds, i):
     return seeds[i]
 
 
-def seed_groups(layout):
+def seed_groups(layout: Layout) -> dict:
     """dtype -> the floating-point outputs of that dtype, in the layout's order: one
     packed seed array each (see `seeds`)."""
-    groups = {}
+    groups: dict = {}
     for name, spec in layout.outputs.items():
         if inexact_dtype(spec.dtype):
             groups.setdefault(np.dtype(spec.dtype), []).append(name)

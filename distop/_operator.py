@@ -23,8 +23,14 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _comm, _ffi
 from ._callback import HostCall, inexact_spec
-from ._compat import (ORDERED_IO_EFFECT, STRUCTURED_RESIDUALS, ShapedArray,
-                      fallback_linearize_rule, no_effects, primitive_linearizations)
+from ._compat import (
+    ORDERED_IO_EFFECT,
+    STRUCTURED_RESIDUALS,
+    ShapedArray,
+    fallback_linearize_rule,
+    no_effects,
+    primitive_linearizations,
+)
 from ._errors import MissingMethodError, SecondDerivativeError
 
 

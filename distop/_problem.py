@@ -7,7 +7,10 @@ whose work lives in modules of one concern each (see docs/architecture.md).
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
 
 from . import _comm, _totals
 from ._arguments import FORMATS, MODES, cache_size, check_arguments, check_names, moved
@@ -16,10 +19,14 @@ from ._coordinator import Coordinator
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._execution import Executor
 from ._inputs import empty
+from ._layout import Layout
 from ._programs import Programs
+from ._schedule import ScheduleEntry
 from ._tracing import TotalsOptions
 
 __all__ = ["MODES", "Problem", "empty"]
+
+Names = str | Iterable[str] | None  # what `of` and `wrt` take
 
 
 def _one_at_a_time(method: Callable) -> Callable:
@@ -76,8 +83,10 @@ class Problem:
     `input_names`, `output_names`, `distributed`.
     """
 
-    def __init__(self, model, inputs, *, comm=None, distributed=(), check_replicated=False,
-                 backend=None, fuse=None, copy=True):
+    def __init__(self, model: Callable[..., dict], inputs: dict[str, Any], *,
+                 comm: Any = None, distributed: str | Iterable[str] = (),
+                 check_replicated: bool = False, backend: str | None = None,
+                 fuse: bool | None = None, copy: bool | None = True) -> None:
         self.comm = _comm.private(comm)
         self.model = model
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
@@ -85,7 +94,7 @@ class Problem:
         self.check_replicated = check_replicated
         self._coordinator = Coordinator(self.comm, self.distributed)
         self._lock = threading.RLock()  # (see `_one_at_a_time`)
-        fuse = env_flag("DISTOP_FUSE", True) if fuse is None else bool(fuse)
+        fused = bool(env_flag("DISTOP_FUSE", True) if fuse is None else fuse)
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)
@@ -101,9 +110,9 @@ class Problem:
                 + "\n".join(f"  rank {r}: {names}" for r, (_, names) in enumerate(every))
                 + "\nName the same inputs and outputs on every rank.")
         self._coordinator.widen([w for w, _ in every])
-        self.fuse = fuse
+        self.fuse = fused
         self.input_names = tuple(self._point)
-        self._programs = Programs(model, self._coordinator, self.backend, fuse, size)
+        self._programs = Programs(model, self._coordinator, self.backend, self.fuse, size)
         self._executor = Executor(self._coordinator)
         # (the options that shape the programs are part of the first request)
         layout = self._programs.layout(self._point, ("Problem", f"backend={self.backend}",
@@ -114,23 +123,24 @@ class Problem:
             raise ValueError(f"Problem(distributed={sorted(self.distributed)}): no input or "
                              f"output named {sorted(unknown)}; inputs are "
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
-        self._schedule = None
+        schedule = None
         differentiable = layout.differentiable
         if differentiable["outputs"] and differentiable["inputs"]:
             try:
-                self._schedule = self._programs.program(
+                schedule = self._programs.program(
                     "compute_totals", TotalsOptions("batched", differentiable["outputs"],
                                                     differentiable["inputs"]),
                     layout).schedule
             except Exception as err:  # left for later or raised, on every rank
                 if not self._coordinator.go_on_without(_later(err)):
                     raise
-        if self._schedule is None:  # (or nothing to differentiate)
-            self._schedule = self._programs.program("run", (), layout).schedule
+        if schedule is None:  # (or nothing to differentiate)
+            schedule = self._programs.program("run", (), layout).schedule
+        self._schedule: tuple[ScheduleEntry, ...] = schedule
 
     # -- public entry points --------------------------------------------------------
     @property
-    def schedule(self):
+    def schedule(self) -> tuple[ScheduleEntry, ...]:
         """The operator calls of the default `compute_totals` program, in program order
         (of the `run` program where there is none: see the class docstring).
 
@@ -139,7 +149,7 @@ class Problem:
         return self._schedule
 
     @_one_at_a_time
-    def run(self, **inputs):
+    def run(self, **inputs: Any) -> dict[str, np.ndarray]:
         """Evaluate the model at `inputs` (others keep their current values).
 
         **Arguments:**
@@ -162,7 +172,8 @@ class Problem:
         return outs
 
     @_one_at_a_time
-    def compute_totals(self, of=None, wrt=None, *, mode="batched", return_format="global"):
+    def compute_totals(self, of: Names = None, wrt: Names = None, *, mode: str = "batched",
+                       return_format: str = "global") -> dict[tuple[str, str], np.ndarray]:
         """Total derivatives of outputs with respect to inputs, at the current point.
 
         **Arguments:**
@@ -192,14 +203,16 @@ class Problem:
                                              layout)
             return layout, names, ins, self._executor(program, self._point)
 
-        layout, of, wrt, cts = self._coordinator.agreed(attempt)
+        layout, names, ins, cts = self._coordinator.agreed(attempt)
         if cts is None:
             return {}
-        return _totals.assemble(self.comm, layout, cts, of, wrt, return_format)
+        return _totals.assemble(self.comm, layout, cts, names, ins, return_format)
 
     @_one_at_a_time
-    def run_and_compute_totals(self, of=None, wrt=None, *, inputs=None, mode="batched",
-                               return_format="global"):
+    def run_and_compute_totals(
+            self, of: Names = None, wrt: Names = None, *, inputs: dict[str, Any] | None = None,
+            mode: str = "batched", return_format: str = "global",
+    ) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
         """`run` and then `compute_totals`, in one program: the values and the total
         derivatives at one point, with one dispatch and one agreement across ranks
         where the two calls make two, and each forward call made once (the values and
@@ -226,11 +239,11 @@ class Problem:
             return layout, names, ins, self._executor(self._programs.program(
                 "compute_totals", TotalsOptions(mode, names, ins, True), layout), point)
 
-        layout, of, wrt, out = self._coordinator.agreed(attempt)
-        if of and wrt:
+        layout, names, ins, out = self._coordinator.agreed(attempt)
+        if names and ins:
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
-            totals = _totals.assemble(self.comm, layout, {k: out["total", k] for k in wrt},
-                                      of, wrt, return_format)
+            totals = _totals.assemble(self.comm, layout, {k: out["total", k] for k in ins},
+                                      names, ins, return_format)
         else:
             values, totals = out, {}
         if self.check_replicated:
@@ -240,9 +253,11 @@ class Problem:
         return values, totals
 
     @_one_at_a_time
-    def check_totals(self, of=None, wrt=None, *, method="fd", form="central", step=1e-6,
-                     atol=1e-8, rtol=1e-6, out_stream=_totals.STDOUT, raise_on_error=False,
-                     show_only_incorrect=False):
+    def check_totals(self, of: Names = None, wrt: Names = None, *, method: str = "fd",
+                     form: str = "central", step: float = 1e-6, atol: float = 1e-8,
+                     rtol: float = 1e-6, out_stream: Any = _totals.STDOUT,
+                     raise_on_error: bool = False, show_only_incorrect: bool = False,
+                     ) -> dict[tuple[str, str], _totals.TotalsCheck]:
         """Compare `compute_totals` with finite differences, on every rank.
 
         A block fails where |J - J_fd| > atol + rtol * |J_fd| anywhere, or where ranks
@@ -287,7 +302,9 @@ class Problem:
                                     show_only_incorrect=show_only_incorrect)
 
 
-    def _totals_request(self, method, point, of, wrt, mode, return_format, refused=None):
+    def _totals_request(self, method: str, point: dict, of: Names, wrt: Names, mode: str,
+                        return_format: str, refused: BaseException | None = None,
+                        ) -> tuple[Layout, tuple, tuple]:
         """Agree on a request for totals at `point` and check its arguments.
 
         **Returns:** (the `Layout`, the `of` names, the `wrt` names)."""

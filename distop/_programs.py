@@ -6,7 +6,8 @@ import dataclasses
 import gc
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from jax.extend.core import jaxpr_as_fun
@@ -27,11 +28,11 @@ class Program:
     """A compiled entry point: the jitted function, its schedule, and the fixed
     arguments after the point (built on first use: they may be large)."""
 
-    fn: object
+    fn: Any
     schedule: tuple
     outputs: dict  # name -> (shape, dtype) of the program's results, before packing
-    make_extra: object = tuple
-    checker: object = None
+    make_extra: Callable[[], tuple] = tuple
+    checker: Any = None
     calls: int = 0  # lean host calls per run: each adds one to the token
     ahead: bool = False  # whether its first host call may make the ranks' agreement
     _extra: tuple | None = None

@@ -38,7 +38,8 @@ class TotalsCheck:
     inconsistent_ranks: list
 
 
-def assemble(comm, layout, cts, of, wrt, return_format):
+def assemble(comm: Any, layout: Any, cts: dict, of: tuple, wrt: tuple,
+             return_format: str) -> dict:
     """Cut the batched cotangents of a reverse pass into `(of, wrt)` blocks.
 
     **Arguments:**
@@ -75,7 +76,7 @@ def _flat_counts(layout, name):
     return [c * tail for c in layout.counts[name]]
 
 
-def gather_columns(comm, block, counts):
+def gather_columns(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
     """**Returns:** the columns of `block` from every rank, side by side (`counts[r]`
     columns from rank r), on every rank."""
     if comm.Get_size() == 1:
@@ -86,7 +87,7 @@ def gather_columns(comm, block, counts):
     return recv.T
 
 
-def gather_rows(comm, block, counts):
+def gather_rows(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
     """**Returns:** the rows of `block` from every rank, stacked (`counts[r]` rows from
     rank r), on every rank."""
     if comm.Get_size() == 1:
@@ -138,7 +139,7 @@ def _difference(mine, ref):
                 f"{tuple(map(int, i))}: {mine[i]} against {ref[i]})")
 
 
-def check_replicated(comm, distributed, values, where):
+def check_replicated(comm: Any, distributed: frozenset, values: dict, where: str) -> None:
     """Raise on every rank if a replicated value differs between ranks.
 
     Values are compared, not bytes: NaN equals NaN and 0.0 equals -0.0.
@@ -179,7 +180,7 @@ class _Stdout:
 STDOUT = _Stdout()
 
 
-def request_key(value, names=False):
+def request_key(value: Any, names: bool = False) -> Any:
     """An argument as the ranks compare it in a request: equal arguments give equal keys
     on every rank (`1e-6` and `np.float64(1e-6)`; `"batched"` and `np.str_("batched")`;
     with `names`, `"f"`, `["f"]` and `("f",)`), and every key can be hashed. The argument
@@ -225,7 +226,8 @@ class Evaluations:
     perturbed: Callable[[FDOptions, dict], dict]
 
 
-def check_options(method, form, step, atol, rtol):
+def check_options(method: str, form: str, step: float, atol: float,
+                  rtol: float) -> tuple[float, float, float]:
     """**Returns:** `check_totals`'s `step`, `atol` and `rtol` as floats, checked with
     its `method` and `form`."""
     if method != "fd":
@@ -240,8 +242,9 @@ def check_options(method, form, step, atol, rtol):
     return float(step), float(atol), float(rtol)  # (a Fraction, say)
 
 
-def check_totals(evaluations, of, wrt, *, form, step, atol, rtol, out_stream,
-                 raise_on_error, show_only_incorrect):
+def check_totals(evaluations: Evaluations, of: tuple, wrt: tuple, *, form: str, step: float,
+                 atol: float, rtol: float, out_stream: Any, raise_on_error: bool,
+                 show_only_incorrect: bool) -> dict:
     """See `Problem.check_totals`: `of`, `wrt` and the options checked already."""
     if out_stream is STDOUT:
         out_stream = sys.stdout
@@ -378,7 +381,7 @@ def _table(results, say, show_only_incorrect):
             f"{flag}")
 
 
-def shard(n_samples, comm=None):
+def shard(n_samples: int, comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Split `n_samples` over the ranks so that every rank gets the same count.
 
     Rank r takes its contiguous share (sizes differ by at most one) and pads it by

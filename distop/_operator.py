@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _comm, _ffi
-from ._callback import HostCall, _inexact
+from ._calls.host import HostCall, _inexact
 from ._compat import (ORDERED_IO_EFFECT, STRUCTURED_RESIDUALS, ShapedArray,
                       fallback_linearize_rule, no_effects, primitive_linearizations)
 from ._errors import MissingMethodError, SecondDerivativeError

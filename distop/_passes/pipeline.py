@@ -1,29 +1,29 @@
 """The driver: a traced lean program through the passes, then loops and segments.
 
 **The order.** `PASSES` lists the passes in the order they analyse the program. A pass
-that is not shared is analysed, merged on this rank's proposal and applied at once, so
-the next pass analyses the program it leaves. A shared pass is analysed on the program
-as the passes before it left it, and applied after the ranks have exchanged their
-proposals, in the order of `PASSES`; an `ahead` pass is applied at once with this
-rank's own proposal, which the exchanges make the decision (see `base.Pass`). So the
-rows are analysed before the calls to drop and applied after them: they count
-derivative calls, which no drop moves. `SETTLE` lists the passes analysed on the
-rewritten program, whose proposals travel in the rewrite's own exchange. Then comes
-the final stage: loops (loops.py), segments (segments.py) and the compiled function.
+that is not shared is merged on this rank's proposal alone and applied at once: the
+next pass analyses the program it leaves. A shared pass is applied only after the ranks
+have exchanged their proposals, in the order of `PASSES`. An `ahead` pass is the
+exception: it is applied at once with this rank's own proposal, and the exchanges go on
+until that proposal is the decision (see `base.Pass`). So the rows are analysed before
+the calls to drop and applied after them: they count derivative calls, and a drop moves
+none. `SETTLE` lists the passes analysed on the rewritten program; their proposals
+travel in the rewrite's own exchange. The final stage follows: loops (loops.py),
+segments (segments.py), and the compiled function.
 
 **The exchanges.** Every cross-rank step goes through `exchange(what, thunk, share)`,
-as `Problem._agree` makes it: it runs `thunk()` on every rank, raises on every rank if
-it raised on any, and returns (its result, every rank's `share(result)`), one
-collective. `lean_program` makes these, on every rank alike:
+as `Problem._agree` makes it: one collective, which runs `thunk()` on every rank, raises
+on every rank if it raised on any, and returns (its result, every rank's
+`share(result)`). `lean_program` makes these, on every rank alike:
 1. "agreeing on the lean path": every rank's shared proposals, or None where its
-   program is not one chain. The program takes the lean path on every rank or none.
-2. "agreeing on the calls to drop", as many times as it takes (none where the first
-   exchange agreed): where the ranks proposed different calls to drop, each analyses
-   the `ahead` pass again with only the common ones allowed, with the shared passes
-   after it, and they exchange those proposals again. The list of allowed calls only
-   shrinks, so the rounds end.
+   program is not one chain. The program takes the lean path on every rank or on none.
+2. "agreeing on the calls to drop", once per round, and no round where the first
+   exchange agreed. Where the ranks proposed different calls to drop, each analyses the
+   `ahead` pass again with only the common ones allowed, and the shared passes after
+   it; they exchange those proposals again. The allowed calls shrink every round, so
+   the rounds end.
 3. "rewriting the program": every rank applies the decisions, runs the final stage and
-   compiles, and shares the proposals of `SETTLE`, whose decisions are applied after.
+   shares the proposals of `SETTLE`; their decisions are applied after it.
 """
 
 import weakref

@@ -39,10 +39,9 @@ def worker(variant, size, objectives, calls):
 
     sys.path.insert(0, str(HERE.parent.parent / "examples"))
     import distributed_matvec as dm
+    from matvec import hand_written, transpose
 
     import distop
-
-    from matvec import hand_written, transpose
 
     jax.config.update("jax_enable_x64", True)
     comm = MPI.COMM_WORLD

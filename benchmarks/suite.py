@@ -508,7 +508,8 @@ def large_section(bench):
 def overhead_section(bench):
     """distop's own work per call, piece by piece, on an operator of 8 doubles that
     does no communication (ordered=True: the lean path on any number of ranks)."""
-    from distop import _callback, _comm
+    from distop import _comm
+    from distop._calls.host import HostCall
 
     class Twice(bench.distop.DistributedOperator):
         forward_collectives = ("Allreduce",)  # declared (not issued): ordered calls
@@ -519,7 +520,7 @@ def overhead_section(bench):
     x = np.linspace(0.0, 1.0, 8)
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
     ops = [Twice(ordered=True) for _ in range(16)]
-    call = _callback.HostCall(ops[0], "forward", _comm.private(None), True, (spec,), (spec,))
+    call = HostCall(ops[0], "forward", _comm.private(None), True, (spec,), (spec,))
     w = np.linspace(-1.0, 1.0, 400 * x.size).reshape(400, x.size)
     one = bench.problem(lambda x: {"y": ops[0](x)}, {"x": x})
     many = bench.problem(lambda x: {"y": jnp.stack([op(x) for op in ops])}, {"x": x})

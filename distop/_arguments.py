@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._callback import inexact_dtype as inexact
+from ._calls.host import inexact_dtype as inexact
 from ._inputs import as_input
 
 CACHE_SIZE = 16  # the input shapes a Problem keeps programs for, by default

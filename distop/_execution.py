@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi, _safety
-from ._callback import take_error
+from ._calls.host import take_error
 from ._compat import JaxRuntimeError
 from ._coordinator import Coordinator
 from ._errors import DistopError

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._callback import inexact_dtype
+from ._calls.host import inexact_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _comm, _ffi
-from ._callback import HostCall, inexact_spec
+from ._calls.host import HostCall, inexact_spec
 from ._compat import (
     ORDERED_IO_EFFECT,
     STRUCTURED_RESIDUALS,

@@ -10,16 +10,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-from jax.extend.core import jaxpr_as_fun
 
-from . import _comm, _ffi, _rewrite, _safety, _schedule
+from . import _comm, _ffi, _safety, _schedule
 from ._compat import x64_enabled
 from ._config import settings
 from ._coordinator import Coordinator
 from ._errors import DistopError
 from ._layout import Layout, TracingInputs, seeds, unit_seeds
-from ._operator import host_call_p
 from ._packing import pack, unpack_plan
+from ._passes import pipeline
+from ._passes.jaxprs import lean_calls
 from ._tracing import build
 
 
@@ -212,7 +212,7 @@ class Programs:
                                        _schedule.extract(jaxpr, traced))
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
-        calls = _rewrite.lean_calls(jaxpr.jaxpr)
+        calls = lean_calls(jaxpr.jaxpr)
         # Its first host call may make the agreement (see `_Agreement`) where nothing
         # else in it runs host code (a callback or FFI call of the model's own, which
         # could communicate before it, or a call of an operator set to ordered=False,
@@ -229,7 +229,8 @@ class Programs:
     def trace(self, name, options, layout, specs, vectorize):
         """Trace an entry point's program, on the lean path if the backend says so and
         the program allows it on every rank (its lean calls form one token chain), else
-        with ordered `io_callback`s.
+        with ordered `io_callback`s. The lean program is rewritten alike on every rank
+        (see `_passes.pipeline`).
 
         **Returns:** (function, outputs, the program before segments: its schedule, the
         lean calls as traced in chain order or None: see `_schedule.extract`)."""
@@ -241,103 +242,14 @@ class Programs:
                 # transformation (UnexpectedTracerError). Any genuine error of the model
                 # comes back from the io_callback trace below.
                 found = None
-            chained = found is not None and _ffi.chained(found[2])
-            # One collective on every rank, whatever it found: the ranks take the lean
-            # path together or not at all, and rewrite it alike.
-            plan, every = self.coordinator.agree(
-                f"{name}: agreeing on the lean path",
-                lambda: self._simplified(name, options, found, layout, specs) if chained
-                else None, share=lambda plan: None if plan is None else plan[1:4])
-            if all(m is not None for m in every):
-                return (*self._rewritten(name, found, layout, specs, plan, every),
-                        _rewrite.lean_calls(found[2].jaxpr))
+            units = (unit_seeds(options.of, layout, self.distributed, self.comm.Get_size())
+                     if name == "compute_totals" else ())
+            lean = pipeline.lean_program(name, found, exchange=self.coordinator.agree,
+                                         unit_seeds=units, fuse=self.fuse,
+                                         inputs=layout.inputs, specs=specs)
+            if lean is not None:
+                return (*lean, lean_calls(found[2].jaxpr))
         return (*self._trace_with(name, options, layout, specs, vectorize, False), None)
-
-    def _simplified(self, name, options, found, layout, specs):
-        """This rank's simplification of a traced lean program: its products with unit
-        seeds dropped and what it computes from them folded (see _rewrite.py), then its
-        forward calls whose results nothing reads here.
-
-        **Returns:** (the program with the products dropped, the spans of rows its
-        derivative calls need here (`_rewrite.known_rows`), then `_drops` of it)."""
-        closed = found[2]
-        if name == "compute_totals":
-            invars = closed.jaxpr.invars
-            seed_vars = invars[len(invars) - len(specs):]
-            units = {seed_vars[i] for i in unit_seeds(options.of, layout, self.distributed,
-                                                    self.comm.Get_size())}
-            closed = _rewrite.drop_identity_products(closed, units) or closed
-            closed = _rewrite.fold_known(closed, units) or closed
-        return (closed, _rewrite.known_rows(closed), *self._drops(closed))
-
-    def _drops(self, closed, allowed=None):
-        """**Returns:** (the chain positions of the forward calls of `closed` that nothing
-        reads here, among `allowed` (None: all), where fusion may join calls once they
-        are dropped (None without fusion), the program without them)."""
-        dropped, unused = _rewrite.drop_unused_calls(closed, allowed)
-        return unused, _rewrite.fusion_joins(dropped) if self.fuse else None, dropped
-
-    def _rewritten(self, name, found, layout, specs, plan, every):
-        """A traced lean program simplified alike on every rank (`plan`: this rank's
-        `_simplified`; `every`: each rank's unused calls and joins), its neighbour calls
-        fused (if `fuse`) and a long chain cut into segments (see _rewrite.py); `found`
-        itself if none applies. One agreement step on every rank, whatever applies (so
-        rank-dependent programs reach the schedule check in step).
-
-        **Returns:** (function, outputs, the program before segments: its schedule)."""
-        closed, _, _, joins, dropped = plan
-        # the rows a derivative call needs on some rank: it gets those on every rank
-        spans = {}
-        for position in set.intersection(*(set(s) for s, *_ in every)):
-            some = [s[position] for s, *_ in every if s[position][0] < s[position][1]]
-            spans[position] = ((min(a for a, _ in some), max(b for _, b in some)) if some
-                               else (0, 0))
-        every = [rest for _, *rest in every]
-        while len({u for u, _ in every}) > 1:
-            # What a call's results feed can depend on the rank's block sizes (JAX's
-            # derivative of `prod` over one row reads nothing): keep every call some
-            # rank reads, and again what the calls kept read, until the ranks agree.
-            allowed = set.intersection(*(set(u) for u, _ in every))
-            (_, joins, dropped), every = self.coordinator.agree(
-                f"{name}: agreeing on the calls to drop",
-                lambda allowed=allowed: self._drops(closed, allowed), share=lambda d: d[:2])
-        if any(j is None or len(j) != len(joins) for _, j in every):
-            joins = None  # no fusion, or different programs (the schedule check tells)
-        else:
-            joins = tuple(map(all, zip(*(j for _, j in every))))
-        rewritten, every = self.coordinator.agree(
-            f"{name}: rewriting the program",
-            lambda: self._rewrite(found, layout, specs, dropped, joins, spans),
-            share=lambda done: [c.agreeing for c in fused_calls(done[2])])
-        # Which members of a fused call agree on their nonzero rows follows the data
-        # flow into it, which can depend on a rank's block sizes: those of every rank.
-        for i, call in enumerate(fused_calls(rewritten[2])):
-            call.agree_on(set.intersection(*(set(e[i]) for e in every)) if
-                          len({len(e) for e in every}) == 1 else ())
-        return rewritten
-
-    def _rewrite(self, found, layout, specs, closed, joins, spans):
-        changed = closed is not found[2]
-        narrowed = _rewrite.narrow(closed, spans)
-        if narrowed is not None:
-            closed, changed = narrowed, True
-        if joins is not None:
-            fused = _rewrite.fuse(closed, host_call_p, joins)
-            if fused is not None:
-                closed, changed = fused, True
-        if not _ffi.chained(closed):
-            raise DistopError("the rewritten program is not one chain")
-        loops = _rewrite.rolled(closed)
-        program = closed if loops is None else loops[0]
-        run = _rewrite.segmented(program)
-        if run is None and not changed and loops is None:
-            return found
-        run = run or jaxpr_as_fun(program)
-        fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
-        if loops is not None:  # the loops' call sites live as long as the program
-            weakref.finalize(fn, _ffi.release, loops[1])
-        fn.trace(jax.ShapeDtypeStruct((), _ffi.token_dtype()), layout.inputs, *specs)
-        return fn, found[1], closed
 
     def _trace_with(self, name, options, layout, specs, vectorize, lean):
         body, outputs = build(self.model, name, options, layout, vectorize), {}
@@ -376,11 +288,6 @@ def collector_paused() -> Iterator[None]:
 
 
 NOT_AHEAD = ("while", "pure_callback", "ffi_call")  # (see `Program.ahead`)
-
-
-def fused_calls(closed) -> list:
-    """**Returns:** the fused calls of a program, in program order."""
-    return [c for c in _rewrite.lean_calls(closed.jaxpr) if isinstance(c, _rewrite.FusedCall)]
 
 
 def not_ahead(eqn) -> bool:

@@ -10,9 +10,9 @@ import hashlib
 
 import numpy as np
 
-from ._callback import HostCall
+from ._calls.fused import FusedCall
+from ._calls.host import HostCall
 from ._errors import DistopError, ScheduleMismatchError
-from ._rewrite import FusedCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ def extract(closed_jaxpr, traced=None):
 
     **Arguments:**
     - `closed_jaxpr`: the program, as from `jax.make_jaxpr` or `jit(...).trace(...).jaxpr`.
-    - `traced`: for a lean program rewritten after tracing (see _rewrite.py), its lean
+    - `traced`: for a lean program rewritten after tracing (see _passes/), its lean
       calls as traced, in chain order: those the rewrite left out are listed too, with
       `made=False`. None: only the calls in `closed_jaxpr`.
 

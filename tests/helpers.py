@@ -113,23 +113,24 @@ def totals_jaxpr(problem):
 
 def without_loops(make):
     """**Returns:** what `make()` gives with distop's loops turned off (see
-    `distop._rewrite.rolled`): the program's calls one by one."""
-    from distop import _rewrite
+    `distop._passes.loops.rolled`): the program's calls one by one."""
+    from distop._passes import loops
 
-    repeats, _rewrite.REPEATS = _rewrite.REPEATS, 10 ** 9
+    repeats, loops.REPEATS = loops.REPEATS, 10 ** 9
     try:
         return make()
     finally:
-        _rewrite.REPEATS = repeats
+        loops.REPEATS = repeats
 
 
 def loops_since(before):
     """**Returns:** the `RolledCall`s of the lean call sites registered since `before`
     (a set of call ids: `set(distop._ffi._calls)`)."""
-    from distop import _ffi, _rewrite
+    from distop import _ffi
+    from distop._calls.rolled import RolledCall
 
     return [c for k, c in _ffi._calls.items()
-            if k not in before and isinstance(c, _rewrite.RolledCall)]
+            if k not in before and isinstance(c, RolledCall)]
 
 
 # -- launching MPI jobs ---------------------------------------------------------------

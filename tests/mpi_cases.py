@@ -243,7 +243,7 @@ def fused_vjps_agree_on_their_nonzero_seed_rows():
 
 @case("core")
 def vjps_are_given_the_rows_some_rank_needs_on_every_rank():
-    from distop import _rewrite
+    from distop._passes import rows
 
     class Weighted(distop.DistributedOperator):
         """y = c * sum over ranks of (rank + 1) * x (an Allreduce in forward and vjp)."""
@@ -270,19 +270,19 @@ def vjps_are_given_the_rows_some_rank_needs_on_every_rank():
     # Ranks other than 0 report the next row instead (as a model whose constants differ
     # between ranks would): each call must get both rows everywhere, or its collectives
     # would meet the wrong rows, and rank 0's row would be lost elsewhere.
-    known = _rewrite.known_rows
+    known = rows.known_rows
 
     def shifted(closed):
         found = known(closed)
         return found if rank == 0 else {p: (min(a + 1, 3), min(b + 1, 4))
                                         for p, (a, b) in found.items()}
 
-    _rewrite.known_rows = shifted
+    rows.known_rows = shifted
     try:
         problem = distop.Problem(model, {"x": np.ones(2)}, backend="lean")
         J = problem.compute_totals()
     finally:
-        _rewrite.known_rows = known
+        rows.known_rows = known
     weight = size * (size + 1) / 2
     for i, c in enumerate((1, 2, 3)):
         all_close_everywhere(comm, J[f"f{i}", "x"], np.full((1, 2), c * weight))
@@ -319,18 +319,19 @@ def calls_given_rows_alike_where_ranks_build_different_programs():
 
 @case("core")
 def a_long_chain_runs_in_segments_with_every_collective_once_in_order():
-    from distop import _rewrite
+    from distop._passes import segments
 
     # no loops: the chain as it is
-    without_loops(lambda: _chain_runs_every_collective_once_in_order(_rewrite.SEGMENT + 6))
+    without_loops(lambda: _chain_runs_every_collective_once_in_order(segments.SEGMENT + 6))
 
 
 @case("core")
 def a_repeated_stretch_runs_as_one_loop_with_every_collective_once_in_order():
-    from distop import _ffi, _rewrite
+    from distop import _ffi
+    from distop._passes import loops
 
     before = set(_ffi._calls)
-    problem = _chain_runs_every_collective_once_in_order(2 * _rewrite.REPEATS + 3)
+    problem = _chain_runs_every_collective_once_in_order(2 * loops.REPEATS + 3)
     assert loops_since(before)  # (its call sites live as long as the Problem)
     del problem
 

@@ -406,11 +406,12 @@ def shard_gives_every_rank_the_same_count():
 
 @case
 def a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
-    from distop import _ffi, _rewrite
+    from distop import _ffi
+    from distop._passes import loops
 
     rng = np.random.default_rng(2)
     xg = rng.standard_normal(N)
-    n = _rewrite.REPEATS + 4
+    n = loops.REPEATS + 4
 
     def model(x):
         for _ in range(n):  # one loop, on every rank

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
 
 pytestmark = pytest.mark.mpi

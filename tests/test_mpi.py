@@ -4,7 +4,6 @@ import re
 import time
 
 import pytest
-
 from helpers import ROOT, TESTS, run_mpi
 
 pytestmark = pytest.mark.mpi

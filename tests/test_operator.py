@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Cube, ScaledSum
 from jax import lax
 
 import distop
-from helpers import Cube, ScaledSum
 
 
 class Sin(distop.DistributedOperator):

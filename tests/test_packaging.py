@@ -6,9 +6,9 @@ import re
 
 import jax.numpy as jnp
 import numpy as np
+from helpers import ROOT
 
 import distop
-from helpers import ROOT
 
 
 def test_ci_runs_the_readme_test_command():

@@ -309,9 +309,9 @@ def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
 
 
 def test_a_long_chain_runs_in_segments_exactly_once_per_call(monkeypatch):
-    from distop import _rewrite
+    from distop._passes import loops, segments
 
-    monkeypatch.setattr(_rewrite, "REPEATS", 10 ** 9)  # no loops: the chain as it is
+    monkeypatch.setattr(loops, "REPEATS", 10 ** 9)  # no loops: the chain as it is
     log = []
 
     class Logged(distop.DistributedOperator):
@@ -325,7 +325,7 @@ def test_a_long_chain_runs_in_segments_exactly_once_per_call(monkeypatch):
         def vjp(self, comm, y_bar, x):
             return 0.5 * y_bar
 
-    n = 2 * _rewrite.SEGMENT + 5
+    n = 2 * segments.SEGMENT + 5
     ops = [Logged(i, ordered=True) for i in range(n)]
     problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": np.array([0.3, -0.2])})
     log.clear()
@@ -378,9 +378,9 @@ def _loops(problem, name):
 
 
 def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order():
-    from distop import _rewrite
+    from distop._passes import loops
 
-    log, n = [], 3 * _rewrite.REPEATS + 1
+    log, n = [], 3 * loops.REPEATS + 1
     ops = [_Logged(i, log, ordered=True) for i in range(n)]
     x0 = np.array([0.3, -0.2])
     problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": x0})
@@ -467,10 +467,11 @@ def test_loops_among_more_calls_than_one_segment_holds():
 def test_loops_release_their_call_sites_with_the_program():
     import gc
 
-    from distop import _ffi, _rewrite
+    from distop import _ffi
+    from distop._passes import loops
 
     log = []
-    ops = [_Logged(i, log, ordered=True) for i in range(_rewrite.REPEATS + 2)]
+    ops = [_Logged(i, log, ordered=True) for i in range(loops.REPEATS + 2)]
     problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": np.array([0.3, -0.2])})
     before = set(_ffi._calls)
     problem.compute_totals()
@@ -686,7 +687,7 @@ def test_a_vjp_sees_only_the_seed_rows_that_reach_it(batched):
 def test_products_with_identity_matrices_are_dropped_exactly():
     from jax.extend.core import jaxpr_as_fun
 
-    from distop import _rewrite
+    from distop._passes import identity
 
     def f(unit, w, v):
         return (unit @ w, w.T @ unit, jnp.einsum("ij,kj->ik", unit, w.T),
@@ -695,7 +696,7 @@ def test_products_with_identity_matrices_are_dropped_exactly():
     unit, w = np.eye(3), np.arange(12.0).reshape(3, 4) - 5
     v = np.arange(24.0).reshape(2, 3, 4)
     closed = jax.make_jaxpr(f)(unit, w, v)
-    simpler = _rewrite.drop_identity_products(closed, {closed.jaxpr.invars[0]})
+    simpler = identity.drop_identity_products(closed, {closed.jaxpr.invars[0]})
     names = [e.primitive.name for e in simpler.jaxpr.eqns]
     # the four products with one identity factor are gone (two by a transpose);
     # unit @ unit and w @ w.T stay
@@ -703,7 +704,7 @@ def test_products_with_identity_matrices_are_dropped_exactly():
     got = jaxpr_as_fun(simpler)(unit, w, v)
     for a, b in zip(got, f(unit, w, v)):
         np.testing.assert_array_equal(a, b)
-    assert _rewrite.drop_identity_products(closed, set()) is None
+    assert identity.drop_identity_products(closed, set()) is None
 
 
 def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
@@ -729,7 +730,7 @@ def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
 def test_values_known_before_the_program_runs_are_computed_once_exactly():
     from jax.extend.core import jaxpr_as_fun
 
-    from distop import _rewrite
+    from distop._passes import fold
 
     w = np.arange(12.0).reshape(3, 4) - 5
 
@@ -741,7 +742,7 @@ def test_values_known_before_the_program_runs_are_computed_once_exactly():
 
     unit, x = np.eye(3), np.linspace(1.0, 2.0, 4)
     closed = jax.make_jaxpr(f)(unit, x)
-    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, limit=200)
+    folded = fold.fold_known(closed, {closed.jaxpr.invars[0]}, limit=200)
     names = [e.primitive.name for e in folded.jaxpr.eqns]
     assert "pad" not in names and "slice" not in names and len(names) < len(closed.eqns)
     assert "broadcast_in_dim" in names  # `big`: computed by the program
@@ -754,24 +755,24 @@ def test_values_known_before_the_program_runs_are_computed_once_exactly():
         np.testing.assert_array_equal(a, b)
     assert all(np.shape(c) == v.aval.shape
                for v, c in zip(folded.jaxpr.constvars, folded.consts))
-    assert _rewrite.fold_known(closed, set()) is None
-    assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, budget=8) is None
+    assert fold.fold_known(closed, set()) is None
+    assert fold.fold_known(closed, {closed.jaxpr.invars[0]}, budget=8) is None
     # once `spend` elements are computed, the rest stays in the program, values the same
-    thrifty = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, limit=200, spend=12)
+    thrifty = fold.fold_known(closed, {closed.jaxpr.invars[0]}, limit=200, spend=12)
     assert len(folded.jaxpr.eqns) < len(thrifty.jaxpr.eqns) < len(closed.jaxpr.eqns) + 1
     for a, b in zip(jax.jit(jaxpr_as_fun(thrifty))(unit, x),
                     jax.jit(jaxpr_as_fun(closed))(unit, x)):
         np.testing.assert_array_equal(a, b)
     # an identity larger than an operation may produce is never made
-    assert _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}, limit=8) is None
+    assert fold.fold_known(closed, {closed.jaxpr.invars[0]}, limit=8) is None
 
 
 def test_products_with_seeds_in_another_order_are_computed_ahead():
-    from distop import _rewrite
+    from distop._passes import fold
 
     w = np.linspace(-1.0, 2.0, 12).reshape(3, 4)
     closed = jax.make_jaxpr(lambda s: _rows(s, [2, 0, 1]) @ w)(np.eye(3))
-    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]})
+    folded = fold.fold_known(closed, {closed.jaxpr.invars[0]})
     assert "dot_general" not in [e.primitive.name for e in folded.jaxpr.eqns]
     np.testing.assert_array_equal(folded.consts[-1], w[[2, 0, 1]])
     # the matvec's objectives f0, f1, ..., f11 are seeded in the order of their names
@@ -797,14 +798,14 @@ def test_products_with_seeds_in_another_order_are_computed_ahead():
 def test_products_with_seeds_in_another_order_and_an_input_take_its_entries(product):
     from jax.extend.core import jaxpr_as_fun
 
-    from distop import _rewrite
+    from distop._passes import fold
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 4))
     w[0, 1], w[2, 3] = -0.0, 0.0
     closed = jax.make_jaxpr(lambda s, w: product(_rows(s, [2, 0, 1]), w))(np.eye(3), w)
     assert "dot_general" in [e.primitive.name for e in closed.jaxpr.eqns]
-    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]})
+    folded = fold.fold_known(closed, {closed.jaxpr.invars[0]})
     assert "dot_general" not in [e.primitive.name for e in folded.jaxpr.eqns]
     # the entries themselves, the same as XLA's product bit for bit where no result is
     # a zero (XLA's sum of a negative zero and zeros is +0)
@@ -817,7 +818,7 @@ def test_products_with_seeds_in_another_order_and_an_input_take_its_entries(prod
     for other in ([[0, 2, 0], [1, 0, 0], [0, 0, 1]], [[0, 1, 0], [0, 1, 0], [1, 0, 0]]):
         c = jax.make_jaxpr(lambda s, w: product(s[::-1] * 0 + jnp.asarray(other, float), w))(
             np.eye(3), w)
-        f = _rewrite.fold_known(c, {c.jaxpr.invars[0]})
+        f = fold.fold_known(c, {c.jaxpr.invars[0]})
         assert "dot_general" in [e.primitive.name for e in (f or c).jaxpr.eqns]
 
 
@@ -879,11 +880,11 @@ def _rows(s, order):
 def test_values_computed_ahead_are_the_program_s_bit_for_bit(f):
     from jax.extend.core import jaxpr_as_fun
 
-    from distop import _rewrite
+    from distop._passes import fold
 
     unit = np.eye(3)
     closed = jax.make_jaxpr(f)(unit)
-    folded = _rewrite.fold_known(closed, {closed.jaxpr.invars[0]}) or closed
+    folded = fold.fold_known(closed, {closed.jaxpr.invars[0]}) or closed
     for a, b in zip(jax.jit(jaxpr_as_fun(folded))(unit), jax.jit(jaxpr_as_fun(closed))(unit)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
                                       np.asarray(b).view(np.uint8))
@@ -891,10 +892,10 @@ def test_values_computed_ahead_are_the_program_s_bit_for_bit(f):
 
 @pytest.mark.parametrize("config", [((1, 2, 0),), ((2, -1, 1),), ((-1, 0, 2),), ((0, 0, 3),)])
 def test_pads_computed_ahead_are_xla_s(config):
-    from distop import _rewrite
+    from distop._passes import fold
 
     x = np.arange(1.0, 5.0)
-    np.testing.assert_array_equal(_rewrite._pad(x, np.float64(-7.0), config),
+    np.testing.assert_array_equal(fold._pad(x, np.float64(-7.0), config),
                                   jax.lax.pad(x, -7.0, config))
 
 
@@ -984,7 +985,7 @@ def test_programs_run_on_the_calling_thread_unless_async_dispatch_is_kept(settin
 
 
 def test_rows_of_gives_none_a_slice_or_indices():
-    from distop._callback import rows_of
+    from distop._calls.host import rows_of
 
     assert rows_of(np.array([True, True, True])) is None
     assert rows_of(np.array([False, True, True, False])) == slice(1, 3)

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT, TESTS, run_mpi
 
 import distop
 from distop import _safety
 from distop._launch import diagnose
-from helpers import ROOT, TESTS, run_mpi
 
 MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
 OPEN_MPI = "Open MPI v5.0.3, package: Open MPI Distribution, ident: 5.0.3"

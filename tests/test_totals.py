@@ -7,11 +7,11 @@ import inspect
 import io
 
 import jax.numpy as jnp
+import mpi_distributed
 import numpy as np
 import pytest
 
 import distop
-import mpi_distributed
 
 
 @pytest.mark.parametrize("case", mpi_distributed.CASES, ids=lambda f: f.__name__)

@@ -11,15 +11,21 @@ import math
 import sys
 import threading
 import traceback
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from . import _safety
-from ._comm import checker
-from ._config import settings
-from ._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
-from ._runtime import abort
+from .. import _safety
+from .._comm import checker
+from .._config import settings
+from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
+from .._runtime import abort
+from .base import HostCallable
+
+Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for every row
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
@@ -39,23 +45,22 @@ def inexact_spec(spec: Any) -> bool:
 
 
 @functools.cache
-def inexact_dtype(dtype):
+def inexact_dtype(dtype: Any) -> bool:
     """Whether values of `dtype` are differentiable, as JAX decides: floating point and
     complex, including bfloat16 and the other ml_dtypes (which numpy's own
     `issubdtype(..., np.inexact)` does not count)."""
-    import jax.numpy as jnp
-
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def _linear_specs(phase, in_specs, out_specs):
+def _linear_specs(phase: str, in_specs: Sequence[jax.ShapeDtypeStruct],
+                  out_specs: Sequence[jax.ShapeDtypeStruct]) -> tuple:
     """The specs of a method's (co)tangent arguments: of the floating-point inputs
     (`jvp`) or outputs (`vjp`); none for `forward`."""
     specs = () if phase == "forward" else in_specs if phase == "jvp" else out_specs
     return tuple(s for s in specs if inexact_spec(s))
 
 
-def rows_of(mask):
+def rows_of(mask: np.ndarray) -> Rows:
     """**Returns:** None if every entry of `mask` is true; else its true entries, as a
     slice where they are contiguous (views, not copies, of the rows), else as indices."""
     found = mask.nonzero()[0]
@@ -68,7 +73,7 @@ def rows_of(mask):
     return found
 
 
-def take_error():
+def take_error() -> BaseException | None:
     """**Returns:** the exception raised by the last failing callback (once), or None."""
     global _last_error
     with _error_lock:
@@ -77,7 +82,7 @@ def take_error():
 
 
 @functools.cache
-def _method_info(cls, phase):
+def _method_info(cls: type, phase: str) -> tuple[bool, bool, bool, bool]:
     """**Returns:** (whether `cls.<phase>` is batched, whether it takes `batched=`,
     whether it takes `out=`); computed once per class, as tracing meets every call
     site."""
@@ -91,7 +96,7 @@ def _method_info(cls, phase):
             unbatched == "expand_dims")
 
 
-class HostCall:
+class HostCall(HostCallable):
     """One operator method as called from a compiled program.
 
     **Arguments:**
@@ -110,8 +115,11 @@ class HostCall:
     followed by the inputs. Integer values have no (co)tangent: user code gets None.
     """
 
-    def __init__(self, op, phase, comm, ordered, in_specs, out_specs, levels=None,
-                 batch_shape=(), lean=False):
+    def __init__(self, op: Any, phase: str, comm: Any, ordered: bool,
+                 in_specs: Sequence[jax.ShapeDtypeStruct],
+                 out_specs: Sequence[jax.ShapeDtypeStruct],
+                 levels: Sequence[tuple[bool, ...]] | None = None,
+                 batch_shape: tuple[int, ...] = (), lean: bool = False) -> None:
         self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
         self.lean = lean
         self.ffi_id = None  # set when lowered (see _ffi.register)
@@ -145,24 +153,24 @@ class HostCall:
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         self.checker = None
-        if settings.check_collectives and comm is not None and comm.Get_size() > 1:
+        if (settings.check_collectives and comm is not None
+                and comm.Get_size() > 1):
             self.checker = checker(comm)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         batch = f" batch={list(self.batch_shape)}" if self.batch_shape else ""
         kind = "lean" if self.lean else "ordered" if self.ordered else "unordered"
         return f"{self.where}[{kind}{batch}]"
 
-    def shapes(self):
+    def shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """**Returns:** the `jax.ShapeDtypeStruct`s of the results XLA receives (batched)."""
         if self._shapes is None:
-            import jax
-
             self._shapes = tuple(jax.ShapeDtypeStruct(self.batch_shape + s.shape, s.dtype)
                                  for s in self.result_specs)
         return self._shapes
 
-    def with_phase(self, phase, linear_levels=None):
+    def with_phase(self, phase: str,
+                   linear_levels: Sequence[tuple[bool, ...]] | None = None) -> "HostCall":
         """The same operator call in another phase, at the same batch levels.
 
         **Arguments:**
@@ -177,7 +185,7 @@ class HostCall:
                         self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
                         self.batch_shape, lean=self.lean)
 
-    def narrowed(self, count):
+    def narrowed(self, count: int) -> "HostCall":
         """**Returns:** this call on `count` rows of its one batch level (a rewritten
         program passes it only the rows that can be nonzero); its `origin` is this call
         (the schedule lists it in this call's place)."""
@@ -186,7 +194,7 @@ class HostCall:
         call.origin = self.origin or self
         return call
 
-    def with_batch(self, in_batched, size):
+    def with_batch(self, in_batched: Sequence[bool], size: int) -> "HostCall":
         """**Returns:** this call one batch level deeper (a new outermost batch axis of
         `size`, carried by the arguments flagged in `in_batched`)."""
         return HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
@@ -195,7 +203,8 @@ class HostCall:
                         (size,) + self.batch_shape, lean=self.lean)
 
     # -- what XLA calls -------------------------------------------------------------
-    def __call__(self, *args, out=None, rows=False):
+    def __call__(self, *args: np.ndarray, out: Sequence[np.ndarray] | None = None,
+                 rows: Rows | bool = False) -> tuple[np.ndarray, ...]:
         """Run the user method on XLA's arguments.
 
         **Arguments:**
@@ -228,9 +237,9 @@ class HostCall:
                     self.checker.agree(("finished", self.where))
                 return results
             except BaseException as err:  # noqa: BLE001 - every failure must be reported
-                self._fail(err)
+                _fail(self, err)
 
-    def _check_declared(self, issued):
+    def _check_declared(self, issued: Sequence[str]) -> None:
         # mpi4py's lower-case methods are the same collectives on Python objects.
         declared = {name.lower() for name in self.declared}
         undeclared = sorted({name for name in issued if name.lower() not in declared})
@@ -240,7 +249,8 @@ class HostCall:
                 f"{self.declared}; declare every collective the method issues"))
 
     # -- helpers --------------------------------------------------------------------
-    def _invoke(self, args, comm, out=None):
+    def _invoke(self, args: Sequence[np.ndarray], comm: Any,
+                out: Sequence[np.ndarray] | None = None) -> Any:
         """Call the user method; `out`: XLA's result buffers, offered (`out=`) to a method
         that takes them: one array, or a tuple in the order the method returns its
         results (None in a vjp's place for an integer input: it has no cotangent)."""
@@ -258,7 +268,7 @@ class HostCall:
         linear = tuple(linear) if self.n_slots > 1 else linear[0]
         return self.function(self.op, comm, linear, *args[self.n_linear:], **kwargs)
 
-    def _user_out(self, out):
+    def _user_out(self, out: Sequence[np.ndarray]) -> Any:
         if self.n_user_results == 1 and len(out) == 1:
             return out[0]
         every = [None] * self.n_user_results
@@ -267,7 +277,7 @@ class HostCall:
         return every[0] if self.n_user_results == 1 else tuple(every)
 
     @functools.cached_property
-    def skippable(self):
+    def skippable(self) -> bool:
         """Whether zero rows of this call's (co)tangents may be skipped: a `jvp`/`vjp`
         (linear in them: zero rows give zero results) over one batch level of at least
         two rows that every (co)tangent carries."""
@@ -276,7 +286,7 @@ class HostCall:
                 and all(lv[0] for lv in self.levels[:self.n_linear]))
 
     @functools.cached_property
-    def _arg_kinds(self):
+    def _arg_kinds(self) -> tuple[str, ...]:
         """Per argument, how a batched call receives it: `"full"` (it carries every
         batch level), `"expand"` (an input, not a (co)tangent, that carries none, and
         the method takes it with a batch axis of length 1) or `"broadcast"`. A
@@ -285,7 +295,7 @@ class HostCall:
                                                           and i >= self.n_linear)
                      else "broadcast" for i, lv in enumerate(self.levels))
 
-    def row_mask(self, args):
+    def row_mask(self, args: Sequence[np.ndarray]) -> np.ndarray:
         """**Returns:** per batch row, whether some (co)tangent in `args` is nonzero
         there, on this rank."""
         n = self.batch_shape[0]
@@ -293,7 +303,7 @@ class HostCall:
         return masks[0] if len(masks) == 1 else np.logical_or.reduce(masks)
 
     @functools.cached_property
-    def _skips_alone(self):
+    def _skips_alone(self) -> bool:
         """Whether this call decides on its own which rows to skip: where no rank needs
         to agree on them (a single process, or an operator that declares no
         collectives). Under MPI a fused call agrees on the rows of several calls with
@@ -301,7 +311,7 @@ class HostCall:
         several = self.comm is not None and self.comm.Get_size() > 1
         return self.skippable and not (several and self.declared)
 
-    def _nonzero_rows(self, args):
+    def _nonzero_rows(self, args: Sequence[np.ndarray]) -> Rows:
         """The rows of a batch of (co)tangents that are not all zero, so that the method
         sees only those (with K seeds, an operator that only some outputs depend on
         gets only their rows).
@@ -310,7 +320,8 @@ class HostCall:
         """
         return rows_of(self.row_mask(args)) if self._skips_alone else None
 
-    def _call_some_rows(self, args, rows, comm, out):
+    def _call_some_rows(self, args: Sequence[np.ndarray], rows: slice | np.ndarray, comm: Any,
+                        out: Sequence[np.ndarray] | None) -> tuple[np.ndarray, ...]:
         """The method on the batch rows `rows` only; zeros in the other rows. Writes
         into `out` (XLA's buffers) when given; a batched method that takes `out=` then
         gets its part of them when the rows are contiguous."""
@@ -340,7 +351,8 @@ class HostCall:
                 full[rows] = some  # (no copy when written in place: the same memory)
         return tuple(results)
 
-    def _call_rows(self, args, comm, batch_shape=None):
+    def _call_rows(self, args: Sequence[np.ndarray], comm: Any,
+                   batch_shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
         batch_shape = self.batch_shape if batch_shape is None else batch_shape
         outs = [np.empty(batch_shape + s.shape, s.dtype) for s in self.result_specs]
         for idx in np.ndindex(*batch_shape):
@@ -350,7 +362,9 @@ class HostCall:
                 out[idx] = r
         return tuple(outs)
 
-    def _call_batched(self, args, comm, out=None, batch_shape=None):
+    def _call_batched(self, args: Sequence[np.ndarray], comm: Any,
+                      out: Sequence[np.ndarray] | None = None,
+                      batch_shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
         batch_shape = self.batch_shape if batch_shape is None else batch_shape
         n = math.prod(batch_shape)
         full = []
@@ -374,10 +388,11 @@ class HostCall:
                      for r, s in zip(results, self.result_specs))
 
     @functools.cached_property
-    def _arg_shapes(self):
+    def _arg_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(s.shape for s in self.arg_specs)
 
-    def _check(self, result, batch, row=None):
+    def _check(self, result: Any, batch: tuple[int, ...],
+               row: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
         n = self.n_user_results
         if not isinstance(result, (tuple, list)):
             result = (result,) if n == 1 else result
@@ -410,49 +425,52 @@ class HostCall:
         return tuple(checked)
 
     @functools.cached_property
-    def _expected(self):
+    def _expected(self) -> tuple[tuple[int, tuple[int, ...], np.dtype], ...]:
         """Per result XLA receives: (its index among the method's results, its
         unbatched shape, its dtype)."""
         picks = range(self.n_user_results) if self.result_picks is None else self.result_picks
         return tuple((k, tuple(s.shape), np.dtype(s.dtype))
                      for k, s in zip(picks, self.result_specs))
 
-    def _describe(self, row):
+    def _describe(self, row: tuple[int, ...] | None) -> tuple[str, str]:
         """**Returns:** (where in the batch, what the results are), for messages."""
         return ("" if row is None else f" (batch row {row})",
                 {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output"))
 
-    def _say(self, text):
+    def _say(self, text: str) -> str:
         rank = self.comm.Get_rank() if self.comm is not None else 0
         return f"{type(self.op).__name__}.{self.phase} on rank {rank}: {text}"
 
-    def _fail(self, err):
-        global _last_error
-        if isinstance(err, MPIUnavailableError):  # (no MPI: a single process)
-            err = MPIUnavailableError(self._say(str(err)))
-            err.__cause__ = sys.exc_info()[1]
-        elif not isinstance(err, (OperatorError, CollectiveMismatchError)):
-            # (a message that cannot be encoded, a lone surrogate in it, say, would fail
-            # again where XLA takes it: shown escaped instead)
-            text = f"raised {type(err).__name__}: {err}"
-            err = OperatorError(self._say(
-                text.encode("utf-8", "backslashreplace").decode("utf-8")))
-            err.__cause__ = sys.exc_info()[1]
-        size = self.comm.Get_size() if self.comm is not None else 1
-        if self.checker is not None and not isinstance(err, CollectiveMismatchError):
-            # Checking mode: tell the other ranks (they meet this message at their next
-            # check), so that every rank raises instead of aborting the job.
-            sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            try:
-                self.checker.agree(("failed", self.where))
-            except CollectiveMismatchError as mismatch:
-                err = CollectiveMismatchError(f"{err}\n{mismatch}")
-        elif size > 1 and not isinstance(err, CollectiveMismatchError):
-            # The other ranks may already wait in a collective (this operator's or a later
-            # one) and cannot be told: report where we stand and end the job, never hang.
-            abort(self.comm, f"distop: {err}\n{traceback.format_exc()}"
-                             f"distop: aborting all {size} ranks.")
-        with _error_lock:
-            _last_error = err
-        raise err
+
+def _fail(call: HostCall, err: BaseException) -> NoReturn:
+    """Report `err`, raised in `call`, as every rank must learn of it (see the guide's
+    errors section), and raise it."""
+    global _last_error
+    if isinstance(err, MPIUnavailableError):  # (no MPI: a single process)
+        err = MPIUnavailableError(call._say(str(err)))
+        err.__cause__ = sys.exc_info()[1]
+    elif not isinstance(err, (OperatorError, CollectiveMismatchError)):
+        # (a message that cannot be encoded, a lone surrogate in it, say, would fail
+        # again where XLA takes it: shown escaped instead)
+        text = f"raised {type(err).__name__}: {err}"
+        err = OperatorError(call._say(
+            text.encode("utf-8", "backslashreplace").decode("utf-8")))
+        err.__cause__ = sys.exc_info()[1]
+    size = call.comm.Get_size() if call.comm is not None else 1
+    if call.checker is not None and not isinstance(err, CollectiveMismatchError):
+        # Checking mode: tell the other ranks (they meet this message at their next
+        # check), so that every rank raises instead of aborting the job.
+        sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        try:
+            call.checker.agree(("failed", call.where))
+        except CollectiveMismatchError as mismatch:
+            err = CollectiveMismatchError(f"{err}\n{mismatch}")
+    elif size > 1 and not isinstance(err, CollectiveMismatchError):
+        # The other ranks may already wait in a collective (this operator's or a later
+        # one) and cannot be told: report where we stand and end the job, never hang.
+        abort(call.comm, f"distop: {err}\n{traceback.format_exc()}"
+                         f"distop: aborting all {size} ranks.")
+    with _error_lock:
+        _last_error = err
+    raise err

@@ -1,0 +1,85 @@
+"""The shape every program pass has: analyse on this rank, merge across ranks, apply."""
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar, Generic, TypeVar
+
+from jax.extend.core import ClosedJaxpr
+
+Proposal = TypeVar("Proposal")
+Decision = TypeVar("Decision")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the analyses need to know besides the program, the same on every rank.
+
+    Fields:
+    - `identities`: the positions, among the program's inputs, of those that hold
+      identity matrices (the unit seeds of `compute_totals`).
+    - `fuse`: whether calls may be fused (`Problem(fuse=...)`).
+    - `allowed`: the chain positions of the forward calls that may be dropped (None:
+      any); set by the driver while the ranks agree on them (see pipeline.py).
+    """
+
+    identities: tuple[int, ...] = ()
+    fuse: bool = True
+    allowed: frozenset[int] | None = None
+
+
+class Pass(abc.ABC, Generic[Proposal, Decision]):
+    """One transformation of a traced lean program, in three steps. An abstract base:
+    a subclass implements `analyse`, `merge` and `apply` (Python raises a `TypeError`
+    naming any it lacks when one is made).
+
+    1. `analyse(program, context)`: this rank's proposal, what it would do on its own
+       (small and picklable: it may be sent to the other ranks).
+    2. `merge(proposals)`: the decision, from the proposals of every rank in rank
+       order; pure, so every rank that merges the same proposals decides alike.
+    3. `apply(program, decision)`: the program rewritten as decided: a new
+       `ClosedJaxpr`, or `program` itself where nothing changes.
+
+    Attributes:
+    - `shared`: whether the proposals cross ranks. The driver (pipeline.py) sends them
+      in its exchanges; a pass that is not shared is merged on this rank's proposal
+      alone and applied at once.
+    - `ahead`: whether a shared pass is applied with this rank's own proposal before
+      the exchange, for the passes after it to analyse the program it leaves. Its
+      merge then tells whether every rank proposed the same (`agreed`); where not,
+      the driver analyses it again in the context `again` gives, and exchanges again,
+      until they do.
+    """
+
+    shared: ClassVar[bool] = False
+    ahead: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def analyse(self, program: ClosedJaxpr, context: Context) -> Proposal:
+        """**Returns:** this rank's proposal for `program`."""
+
+    @abc.abstractmethod
+    def merge(self, proposals: Sequence[Proposal]) -> Decision:
+        """**Returns:** the decision, from every rank's proposal (rank order)."""
+
+    @abc.abstractmethod
+    def apply(self, program: ClosedJaxpr, decision: Decision) -> ClosedJaxpr:
+        """**Returns:** `program` rewritten as `decision` says, or `program` itself."""
+
+    def agreed(self, decision: Decision) -> bool:
+        """Whether every rank proposed what `decision` decides (an `ahead` pass)."""
+        return True
+
+    def again(self, context: Context, decision: Decision) -> Context:
+        """**Returns:** the context to analyse an `ahead` pass again in, where the ranks
+        did not agree on `decision`."""
+        raise NotImplementedError(f"{type(self).__name__} is not an `ahead` pass.")
+
+
+class LocalPass(Pass[Proposal, Decision]):
+    """A pass that needs nothing from the other ranks: its decision is its proposal."""
+
+    def merge(self, proposals: Sequence[Proposal]) -> Decision:
+        """**Returns:** the one proposal (this rank's)."""
+        (only,) = proposals
+        return only

@@ -19,6 +19,7 @@ from . import _safety
 from ._comm import checker
 from ._config import settings
 from ._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
+from ._guard import GuardedComm
 from ._runtime import abort
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
@@ -144,6 +145,8 @@ class HostCall:
         self.where = f"{cls.__name__}.{phase}"
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
+        # what the method receives: the communication it declared, no more
+        self.guarded = GuardedComm(comm, self.declared, self.where)
         self.checker = None
         if settings.check_collectives and comm is not None and comm.Get_size() > 1:
             self.checker = checker(comm)
@@ -209,9 +212,9 @@ class HostCall:
         """
         with self._watch:
             try:
-                comm = self.comm
+                comm = self.guarded
                 if self.checker is not None:
-                    comm = _safety.CheckedComm(self.comm, self.checker, self.where)
+                    comm = _safety.CheckedComm(comm, self.checker, self.where)
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, out), ())
                 else:

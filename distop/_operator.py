@@ -32,6 +32,7 @@ from ._compat import (
     primitive_linearizations,
 )
 from ._errors import MissingMethodError, SecondDerivativeError
+from ._guard import check_declarations
 
 
 class DistributedOperator(eqx.Module):
@@ -80,6 +81,10 @@ class DistributedOperator(eqx.Module):
     batched_vjp: ClassVar[bool] = False
     batched_jvp: ClassVar[bool] = False
     unbatched: ClassVar[str] = "broadcast"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_declarations(cls)
 
     def forward(self, comm, *inputs):
         """Compute the outputs on this rank.

@@ -1209,5 +1209,48 @@ def a_problem_keeps_the_programs_of_its_most_recent_shapes_only():
         assert {id(v) for v in programs.layouts.values()} >= {k[2] for k in programs.programs}
 
 
+# -- point-to-point operators ---------------------------------------------------------
+class Stencil(distop.DistributedOperator):
+    """y_i = x_(i-1) + x_i + x_(i+1) over the global vector (zero beyond its ends), each
+    rank holding a block of rows: a halo exchange of one row with each neighbour
+    (Sendrecv). The stencil is symmetric, so its VJP is itself."""
+
+    forward_collectives = ("Sendrecv",)
+    vjp_collectives = ("Sendrecv",)
+
+    def forward(self, comm, x):
+        r, p = comm.Get_rank(), comm.Get_size()
+        left, right = (r - 1 if r > 0 else MPI.PROC_NULL), (r + 1 if r < p - 1 else MPI.PROC_NULL)
+        from_left, from_right = np.zeros(1), np.zeros(1)
+        comm.Sendrecv(x[-1:].copy(), dest=right, recvbuf=from_left, source=left)
+        comm.Sendrecv(x[:1].copy(), dest=left, recvbuf=from_right, source=right)
+        padded = np.concatenate([from_left, x, from_right])
+        return padded[:-2] + padded[1:-1] + padded[2:]
+
+    def vjp(self, comm, y_bar, x):
+        return self.forward(comm, y_bar)
+
+
+@case("core")
+def a_halo_exchange_operator_declares_its_point_to_point_calls():
+    sizes = [2 + r for r in range(size)]  # uneven blocks
+    n = sum(sizes)
+    xg = np.linspace(-1.0, 1.0, n)
+    start = sum(sizes[:rank])
+    dense = np.eye(n) + np.eye(n, k=1) + np.eye(n, k=-1)
+    def model(x):
+        y = Stencil()(x)
+        return {"y": y, "f": distop.AllreduceSum()(jnp.sum(y ** 2))}
+
+    problem = distop.Problem(model, {"x": xg[start:start + sizes[rank]]},
+                             distributed=["x", "y"])
+    values = problem.run()
+    all_close_everywhere(comm, values["y"], (dense @ xg)[start:start + sizes[rank]])
+    totals = problem.compute_totals()
+    all_close_everywhere(comm, totals["y", "x"], dense)
+    all_close_everywhere(comm, totals["f", "x"], (2 * dense @ dense @ xg)[None])
+    assert all(r.ok for r in problem.check_totals(out_stream=None).values())
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

@@ -79,6 +79,13 @@ def main(scenario):
         if comm.rank == BAD:
             sys.exit(0)
         distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x}).run()
+    elif scenario == "undeclared_point_to_point":  # (a halo exchange declared as local)
+        from mpi_cases import Stencil
+
+        class Local(Stencil):
+            forward_collectives = vjp_collectives = ()
+
+        distop.Problem(lambda x: {"y": Local()(x)}, {"x": x}, distributed=["x", "y"]).run()
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()

@@ -346,3 +346,46 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
         with_rule = program()
         monkeypatch.delitem(primitive_linearizations, host_call_p)
         assert str(program()) == str(with_rule)
+
+
+class _SelfExchange(distop.DistributedOperator):
+    """y = x, sent to itself with comm.Sendrecv: communication its class may not declare."""
+
+    def forward(self, comm, x):
+        out = np.empty_like(x)
+        comm.Sendrecv(x, dest=comm.Get_rank(), recvbuf=out, source=comm.Get_rank())
+        return out
+
+    def vjp(self, comm, y_bar, x):
+        return y_bar
+
+
+def test_a_method_is_refused_communication_its_class_did_not_declare():
+    problem = distop.Problem(lambda x: {"y": _SelfExchange()(x)}, {"x": np.ones(2)})
+    with pytest.raises(distop.OperatorError, match=(
+            r"_SelfExchange.forward.*issued \['Sendrecv'\], not declared in "
+            r"forward_collectives=\(\).*Add 'Sendrecv' to _SelfExchange.forward_collectives")):
+        problem.run()
+
+    class Declared(_SelfExchange):
+        forward_collectives = ("Sendrecv",)
+
+    problem = distop.Problem(lambda x: {"y": Declared()(x)}, {"x": np.arange(2.0)})
+    np.testing.assert_array_equal(problem.run()["y"], [0.0, 1.0])
+    np.testing.assert_array_equal(problem.compute_totals()["y", "x"], np.eye(2))
+
+
+def test_declared_names_are_checked_when_the_class_is_made():
+    with pytest.raises(TypeError, match=r"Typo.vjp_collectives names 'Allreduse', which is "
+                                        r"not .* Did you mean 'Allreduce'\?"):
+        class Typo(distop.DistributedOperator):
+            vjp_collectives = ("Allreduse",)
+    with pytest.raises(TypeError, match=r"Text.forward_collectives = 'Allreduce': expected "
+                                        "a tuple of names"):
+        class Text(distop.DistributedOperator):
+            forward_collectives = "Allreduce"
+
+    class Both(distop.DistributedOperator):  # either spelling of mpi4py's methods
+        forward_collectives = ("allreduce", "Sendrecv", "Isend", "Irecv")
+
+    assert Both.forward_collectives[0] == "allreduce"

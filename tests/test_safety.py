@@ -28,6 +28,9 @@ SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the
     ("rank_exits_early", False, "of {n} has waited"),
     ("rank_exits_early", True, "the checking mode is on, and that rank answers no check"),
     ("undeclared_collective", True, "issued ['Barrier'], not declared"),
+    ("undeclared_collective", False, "issued ['Barrier'], not declared"),
+    ("undeclared_point_to_point", False, "issued ['Sendrecv'], not declared in "
+                                         "forward_collectives=()"),
     ("raises_before_any_problem", False, "uncaught RuntimeError on rank {bad}; aborting all"),
     ("rank_exits_before_any_problem", False, "s in Problem: duplicating the communicator"),
 ]

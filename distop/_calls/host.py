@@ -22,6 +22,7 @@ from .. import _safety
 from .._comm import checker
 from .._config import settings
 from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
+from .._guard import GuardedComm
 from .._runtime import abort
 from .base import HostCallable
 
@@ -152,6 +153,8 @@ class HostCall(HostCallable):
         self.where = f"{cls.__name__}.{phase}"
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
+        # what the method receives: the communication it declared, no more
+        self.guarded = GuardedComm(comm, self.declared, self.where)
         self.checker = None
         if (settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
@@ -218,9 +221,9 @@ class HostCall(HostCallable):
         """
         with self._watch:
             try:
-                comm = self.comm
+                comm = self.guarded
                 if self.checker is not None:
-                    comm = _safety.CheckedComm(self.comm, self.checker, self.where)
+                    comm = _safety.CheckedComm(comm, self.checker, self.where)
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, out), ())
                 else:

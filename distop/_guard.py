@@ -1,0 +1,105 @@
+"""What an operator's method may do with its communicator: what its class declared.
+
+An operator declares the communication each method issues (`forward_collectives`,
+`vjp_collectives`, `jvp_collectives`). distop relies on it: a method that declares none
+is local, so distop may call it on the rows it needs on each rank alone, and those
+differ between ranks. A method that communicates without saying so would then meet
+partners that never come. So the communicator a method receives refuses, on the spot,
+every communication its class did not declare, and the names are checked when the
+class is made.
+"""
+
+import difflib
+from typing import Any
+
+from ._errors import OperatorError
+
+# mpi4py's communicator methods that communicate, by kind. The lower-case methods
+# (pickled Python objects) are the same calls: a declaration names either spelling.
+COLLECTIVE = frozenset("""
+    Allgather Allgatherv Allreduce Alltoall Alltoallv Alltoallw Barrier Bcast Exscan
+    Gather Gatherv Reduce Reduce_scatter Reduce_scatter_block Scan Scatter Scatterv
+    Iallgather Iallgatherv Iallreduce Ialltoall Ialltoallv Ialltoallw Ibarrier Ibcast
+    Iexscan Igather Igatherv Ireduce Ireduce_scatter Ireduce_scatter_block Iscan
+    Iscatter Iscatterv Neighbor_allgather Neighbor_allgatherv Neighbor_alltoall
+    Neighbor_alltoallv Neighbor_alltoallw Ineighbor_allgather Ineighbor_allgatherv
+    Ineighbor_alltoall Ineighbor_alltoallv Ineighbor_alltoallw
+    Dup Split Split_type Create Create_group Create_cart Create_graph Create_dist_graph
+    Create_dist_graph_adjacent Create_intercomm
+    allgather allreduce alltoall barrier bcast exscan gather reduce scan scatter
+""".split())
+POINT_TO_POINT = frozenset("""
+    Send Recv Sendrecv Sendrecv_replace Isend Irecv Issend Ssend Bsend Rsend Ibsend Irsend
+    Send_init Recv_init Ssend_init Bsend_init Rsend_init Probe Iprobe Mprobe Improbe
+    send recv sendrecv isend irecv issend ssend bsend probe iprobe mprobe improbe
+""".split())
+COMMUNICATING = COLLECTIVE | POINT_TO_POINT
+_KNOWN = {name.lower(): name for name in COMMUNICATING}
+PHASES = ("forward", "vjp", "jvp")
+
+
+def check_declarations(cls: type) -> None:
+    """Check an operator class's declared communication when the class is made.
+
+    **Raises:** TypeError naming the class, the attribute and the name that is not a
+    communicating method of mpi4py's communicators (with the nearest one).
+    """
+    for phase in PHASES:
+        attribute = f"{phase}_collectives"
+        declared = getattr(cls, attribute, ())
+        if isinstance(declared, str) or not isinstance(declared, (tuple, list, frozenset,
+                                                                  set)):
+            raise TypeError(f"{cls.__name__}.{attribute} = {declared!r}: expected a tuple "
+                            f"of names, e.g. ('Allreduce',) or ('Sendrecv',).")
+        for name in declared:
+            if not isinstance(name, str) or name.lower() not in _KNOWN:
+                near = difflib.get_close_matches(str(name), sorted(COMMUNICATING), n=1)
+                hint = f" Did you mean {near[0]!r}?" if near else ""
+                raise TypeError(
+                    f"{cls.__name__}.{attribute} names {name!r}, which is not a "
+                    f"communicating method of an MPI communicator.{hint} Declare the "
+                    "mpi4py methods the method calls, e.g. ('Allreduce',) or "
+                    "('Sendrecv',).")
+
+
+class GuardedComm:
+    """The communicator a method receives: the operator's private one, refusing every
+    communication its class did not declare for the method's phase.
+
+    Anything else (its rank, size, attributes) passes through. `raw` is the private
+    communicator itself, for a library that needs an `MPI.Comm`: what is done through
+    it must be declared all the same.
+
+    **Arguments:**
+    - `comm`: the private communicator.
+    - `declared`: the names the method's phase declares.
+    - `where`: `Operator.phase`, for messages.
+    """
+
+    def __init__(self, comm: Any, declared: tuple[str, ...], where: str) -> None:
+        self.raw = comm
+        self._declared = tuple(declared)
+        self._allowed = frozenset(name.lower() for name in declared)
+        self._where = where
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names not found on the wrapper itself: each allowed one is
+        # kept on it once looked up, so later calls cost a plain attribute lookup.
+        if name in COMMUNICATING and name.lower() not in self._allowed:
+            self._refuse(name)
+        found = getattr(self.raw, name)
+        self.__dict__[name] = found
+        return found
+
+    def _refuse(self, name: str) -> None:
+        cls, phase = self._where.rsplit(".", 1)
+        kind = "point-to-point call" if name in POINT_TO_POINT else "collective"
+        raise OperatorError(
+            f"{self._where} issued [{name!r}], not declared in {phase}_collectives="
+            f"{self._declared} (comm.{name} is a {kind}). distop runs a method that "
+            "declares no communication as local, possibly on other batch rows on each "
+            "rank, so undeclared communication can meet no partner and hang. Add "
+            f"{name!r} to {cls}.{phase}_collectives.")
+
+    def __repr__(self) -> str:
+        return f"GuardedComm({self.raw!r}, {self._where})"

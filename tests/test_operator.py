@@ -389,3 +389,22 @@ def test_declared_names_are_checked_when_the_class_is_made():
         forward_collectives = ("allreduce", "Sendrecv", "Isend", "Irecv")
 
     assert Both.forward_collectives[0] == "allreduce"
+
+
+def test_messages_say_what_to_return_and_why_inputs_are_read_only():
+    class Listed(distop.DistributedOperator):
+        def forward(self, comm, x):
+            return list(x)
+
+    class InPlace(distop.DistributedOperator):
+        def forward(self, comm, x):
+            x *= 2.0
+            return x
+
+    with pytest.raises(distop.OperatorError, match=r"Listed.forward on rank 0: returned a "
+                                                   r"list; return its one output as a numpy"):
+        distop.Problem(lambda x: {"y": Listed()(x)}, {"x": np.ones(8)}).run()
+    with pytest.raises(distop.OperatorError, match=r"InPlace.forward on rank 0: raised "
+                                                   r"ValueError: .*read-only.*read-only by "
+                                                   r"design.*x = x.copy\(\)"):
+        distop.Problem(lambda x: {"y": InPlace()(x)}, {"x": np.ones(8)}).run()

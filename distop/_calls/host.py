@@ -397,6 +397,11 @@ class HostCall(HostCallable):
     def _check(self, result: Any, batch: tuple[int, ...],
                row: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
         n = self.n_user_results
+        if n == 1 and isinstance(result, list):
+            where, what = self._describe(row)
+            raise OperatorError(self._say(
+                f"returned a list{where}; return its one {what} as a numpy array "
+                "(np.asarray(...)), or a tuple of one array"))
         if not isinstance(result, (tuple, list)):
             result = (result,) if n == 1 else result
         if not isinstance(result, (tuple, list)) or len(result) != n:
@@ -456,6 +461,10 @@ def _fail(call: HostCall, err: BaseException) -> NoReturn:
         # (a message that cannot be encoded, a lone surrogate in it, say, would fail
         # again where XLA takes it: shown escaped instead)
         text = f"raised {type(err).__name__}: {err}"
+        if isinstance(err, ValueError) and "read-only" in str(err):
+            text += (". The arrays a method receives are read-only by design: they are "
+                     "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
+                     "to change it")
         err = OperatorError(call._say(
             text.encode("utf-8", "backslashreplace").decode("utf-8")))
         err.__cause__ = sys.exc_info()[1]

@@ -174,7 +174,7 @@ class Programs:
         return found
 
     def _new_program(self, key, name, options, layout, make_extra):
-        """Trace, rewrite and agree on a program not built before (see `_program`)."""
+        """Trace, rewrite and agree on a program not built before (see `program`)."""
         if name == "compute_totals":
             rank = self.comm.Get_rank()
 
@@ -213,7 +213,7 @@ class Programs:
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
         calls = lean_calls(jaxpr.jaxpr)
-        # Its first host call may make the agreement (see `_Agreement`) where nothing
+        # Its first host call may make the agreement (see `CallAgreement`) where nothing
         # else in it runs host code (a callback or FFI call of the model's own, which
         # could communicate before it, or a call of an operator set to ordered=False,
         # which XLA may run before it) and it ends whatever its calls return (no while

@@ -12,7 +12,7 @@ travel in the rewrite's own exchange. The final stage follows: loops (loops.py),
 segments (segments.py), and the compiled function.
 
 **The exchanges.** Every cross-rank step goes through `exchange(what, thunk, share)`,
-as `Problem._agree` makes it: one collective, which runs `thunk()` on every rank, raises
+as `Coordinator.agree` makes it: one collective, which runs `thunk()` on every rank, raises
 on every rank if it raised on any, and returns (its result, every rank's
 `share(result)`). `lean_program` makes these, on every rank alike:
 1. "agreeing on the lean path": every rank's shared proposals, or None where its
@@ -84,7 +84,7 @@ def lean_program(name: str, found: Sequence | None, *, exchange: Exchange,
       tracing failed on this rank.
     - `exchange`: the cross-rank step (see the module docstring).
     - `unit_seeds`: which of the extra arguments hold identity matrices (see
-      `Problem._unit_seeds`).
+      `_layout.unit_seeds`).
     - `fuse`: whether neighbouring calls may be fused.
     - `inputs`: the `jax.ShapeDtypeStruct`s of the inputs (name -> spec).
     - `specs`: those of the extra arguments after the inputs (the seeds, say).

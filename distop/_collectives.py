@@ -170,7 +170,7 @@ class Alltoall(DistributedOperator):
         return _unbatch(_transpose_blocks(comm, x, counts), batched)
 
     def vjp(self, comm, y_bar, x, *, batched=False):
-        x_rows = comm.allgather((x.shape[1] if batched else x.shape[0]))
+        x_rows = comm.allgather(x.shape[1] if batched else x.shape[0])
         return _unbatch(_transpose_blocks(comm, _batch(y_bar, batched), x_rows), batched)
 
 

@@ -16,10 +16,14 @@ import ctypes as C
 import itertools
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from . import _xla_ffi
+from ._calls.base import HostCallable
 from ._compat import x64_enabled
 from ._coordinator import offered, withdraw
 from ._errors import DistopError
@@ -38,13 +42,15 @@ from ._xla_ffi import (
 )
 
 TARGET = "distop_host_call"
-_calls = {}  # call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
+# call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
+_calls: dict[int, HostCallable] = {}
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _registered = False
 
 _DATA = Buffer.data.offset
-_plans = {}  # call_id -> the _Slots of its arguments, of its results
+# call_id -> the _Slots of its arguments, of its results
+_plans: dict[int, tuple[list["_Slot"], list["_Slot"]]] = {}
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
 # memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
 # makes its numpy view on a slice of one, the buffer's exact bytes (read-only for
@@ -57,7 +63,7 @@ _SPACE = {writeable: _memory(_BASE, sys.maxsize - _BASE, 0x200 if writeable else
           for writeable in (False, True)}  # (PyBUF_WRITE, PyBUF_READ)
 
 
-def _huge_pages():
+def _huge_pages() -> Callable[[int, int], None] | None:
     """**Returns:** a function `advise(address, nbytes)` asking Linux to back the whole
     2 MiB pages of that range with huge pages, or None where it cannot (not Linux, or
     transparent huge pages off)."""
@@ -70,7 +76,7 @@ def _huge_pages():
         return None
     madvise.argtypes, madvise.restype = [C.c_void_p, C.c_size_t, C.c_int], C.c_int
 
-    def advise(address, nbytes):
+    def advise(address: int, nbytes: int) -> None:
         start = -(-address // _HUGE) * _HUGE
         stop = (address + nbytes) // _HUGE * _HUGE
         if stop > start:
@@ -96,7 +102,7 @@ class _Slot:
 
     __slots__ = ("advise", "dtype", "nbytes", "shape", "size", "space")
 
-    def __init__(self, address, writeable):
+    def __init__(self, address: int, writeable: bool) -> None:
         b = Buffer.from_address(address)
         self.shape = tuple(b.dims[i] for i in range(b.rank))
         self.dtype = np.dtype(DTYPES[b.dtype])
@@ -105,20 +111,21 @@ class _Slot:
         self.space = _SPACE[writeable]
         self.advise = _advise if writeable and self.nbytes >= _ADVISED else None
 
-    def view(self, data):
+    def view(self, data: int | None) -> np.ndarray:
         if not self.size:
             return np.zeros(self.shape, self.dtype)
+        assert data is not None  # (XLA's buffer of a nonempty value has an address)
         if self.advise is not None:
             self.advise(data, self.nbytes)
         start = data - _BASE
         return np.ndarray(self.shape, self.dtype, self.space[start:start + self.nbytes])
 
 
-def _plan(values, size, writeable):
+def _plan(values: "C._Pointer[C.c_void_p]", size: int, writeable: bool) -> list[_Slot]:
     return [_Slot(values[i], writeable) for i in range(size)]
 
 
-def _arrays(values, slots):
+def _arrays(values: "C._Pointer[C.c_void_p]", slots: Sequence[_Slot]) -> list[np.ndarray]:
     """numpy views of XLA's buffers (valid only during the call). The arguments' views
     are read-only, as JAX's own callbacks pass them: XLA may pass a program input or a
     constant of the program, which a method must not change."""
@@ -126,7 +133,7 @@ def _arrays(values, slots):
             for i, slot in enumerate(slots)]
 
 
-def _handler(frame_pointer):
+def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
     frame = frame_pointer.contents
     try:
         extension = frame.extension_start
@@ -164,15 +171,15 @@ def _handler(frame_pointer):
     except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
         api = C.cast(frame.api, C.POINTER(Api)).contents
         text = f"{type(err).__name__}: {err}".encode("utf-8", "backslashreplace")
-        args = ErrorCreateArgs(ERROR_CREATE_ARGS_SIZE, None, text, INTERNAL)
-        return api.error_create(C.byref(args))
+        error = ErrorCreateArgs(ERROR_CREATE_ARGS_SIZE, None, text, INTERNAL)
+        return api.error_create(C.byref(error))
 
 
 _HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(CallFrame))(_handler)
 # What XLA's metadata query found while `_register_target` registers the handler: the
 # `_xla_ffi.Report` of an API that fits the mirror, a `DistopError` saying why it does
 # not, or None before the query.
-_found = None
+_found: _xla_ffi.Report | DistopError | None = None
 
 
 def _answer(frame_pointer: "C._Pointer[CallFrame]",
@@ -270,7 +277,7 @@ def _register_target(name: str) -> _xla_ffi.Report:
     return found
 
 
-def register(call):
+def register(call: HostCallable) -> int:
     """Give `call` (a lean `HostCall`, `FusedCall` or `RolledCall`, when lowered) a
     unique id for its call site; register the FFI target with XLA on first use (see
     `_register_target`).
@@ -288,12 +295,13 @@ def register(call):
     return call_id
 
 
-def release(calls):
+def release(calls: Iterable[HostCallable]) -> None:
     """Forget the call sites of a program that is gone."""
     with _lock:
         for call in calls:
-            _calls.pop(call.ffi_id, None)
-            _plans.pop(call.ffi_id, None)
+            if call.ffi_id is not None:  # (None: never lowered, so never registered)
+                _calls.pop(call.ffi_id, None)
+                _plans.pop(call.ffi_id, None)
 
 
 # -- the token, threaded through the calls while a program is traced ----------------------
@@ -301,7 +309,7 @@ def release(calls):
 TOKEN_RESTART = 2 ** 20
 
 
-def token_dtype():
+def token_dtype() -> np.dtype:
     """The token's dtype: float64, or float32 where JAX is in 32-bit mode (a program
     takes no float64 input then)."""
     return np.dtype(np.float64 if x64_enabled() else np.float32)
@@ -310,15 +318,15 @@ def token_dtype():
 class Session:
     """Holds the current token while `Problem` traces one program with the lean path."""
 
-    def __init__(self, token):
-        self.token = token
+    def __init__(self, token: Any) -> None:
+        self.token = token  # (a tracer of the program being traced)
         self.calls = 0
 
 
 _state = threading.local()
 
 
-def session():
+def session() -> Session | None:
     """**Returns:** the active `Session`, or None outside lean tracing."""
     return getattr(_state, "session", None)
 
@@ -326,19 +334,19 @@ def session():
 class tracing:
     """Context manager: trace a program with the lean path, starting from `token`."""
 
-    def __init__(self, token):
+    def __init__(self, token: Any) -> None:
         self.session = Session(token)
 
-    def __enter__(self):
+    def __enter__(self) -> Session:
         self.previous = session()
         _state.session = self.session
         return self.session
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         _state.session = self.previous
 
 
-def chained(closed_jaxpr):
+def chained(closed_jaxpr: ClosedJaxpr) -> bool:
     """Whether the lean calls of a traced program form ONE unbroken token chain.
 
     The chain starts at the program's first input, passes every lean call in program
@@ -359,20 +367,20 @@ def chained(closed_jaxpr):
     return jaxpr.outvars[-1] is token
 
 
-def has_lean(eqn):
+def has_lean(eqn: JaxprEqn) -> bool:
     """Whether a lean call sits inside `eqn` (a loop, branch or call of its own)."""
     return anywhere(inner_eqns(eqn), lambda e: getattr(e.params.get("call"), "lean", False))
 
 
-def anywhere(eqns, test):
+def anywhere(eqns: Iterable[JaxprEqn], test: Callable[[JaxprEqn], bool]) -> bool:
     """Whether `test(eqn)` holds for one of `eqns` or an equation inside one of them."""
     return any(test(e) or anywhere(inner_eqns(e), test) for e in eqns)
 
 
-def inner_eqns(eqn):
+def inner_eqns(eqn: JaxprEqn) -> Iterator[JaxprEqn]:
     """The equations of the programs inside `eqn` (a loop's body, a branch's cases)."""
     for value in eqn.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(sub, "jaxpr", sub)
+            inner: Any = getattr(sub, "jaxpr", sub)  # (a Jaxpr, ClosedJaxpr, or else)
             if hasattr(inner, "eqns"):
                 yield from inner.eqns

@@ -816,8 +816,8 @@ def test_products_with_seeds_in_another_order_and_an_input_take_its_entries(prod
     np.testing.assert_array_equal(got, want)  # (signs of zeros aside: -0.0 == 0.0)
     # a matrix that only looks like one (a 2, or two 1s in a column) stays a product
     for other in ([[0, 2, 0], [1, 0, 0], [0, 0, 1]], [[0, 1, 0], [0, 1, 0], [1, 0, 0]]):
-        c = jax.make_jaxpr(lambda s, w: product(s[::-1] * 0 + jnp.asarray(other, float), w))(
-            np.eye(3), w)
+        c = jax.make_jaxpr(lambda s, w, other=other: product(
+            s[::-1] * 0 + jnp.asarray(other, float), w))(np.eye(3), w)
         f = fold.fold_known(c, {c.jaxpr.invars[0]})
         assert "dot_general" in [e.primitive.name for e in (f or c).jaxpr.eqns]
 

@@ -69,7 +69,7 @@ class FusedCall(HostCallable):
         """Run the members in order; `out`: XLA's buffers of the returned results, each
         offered to the member that computes it when all of its results are returned."""
         rows = self._agree_rows(args) if self._agreeing else {}
-        results = []
+        results: list[np.ndarray] = []
         for i, (member, wiring, offer) in enumerate(zip(self.members, self.wiring,
                                                         self._offers)):
             given = None if out is None or offer is None else [out[k] for k in offer]

@@ -12,7 +12,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for ev
 
 # The exception raised inside the last failing callback, so that `Problem` can re-raise
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
-_last_error = None
+_last_error: BaseException | None = None
 _error_lock = threading.Lock()
 
 
@@ -54,7 +54,8 @@ def inexact_dtype(dtype: Any) -> bool:
 
 
 def _linear_specs(phase: str, in_specs: Sequence[jax.ShapeDtypeStruct],
-                  out_specs: Sequence[jax.ShapeDtypeStruct]) -> tuple:
+                  out_specs: Sequence[jax.ShapeDtypeStruct],
+                  ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The specs of a method's (co)tangent arguments: of the floating-point inputs
     (`jvp`) or outputs (`vjp`); none for `forward`."""
     specs = () if phase == "forward" else in_specs if phase == "jvp" else out_specs
@@ -124,10 +125,13 @@ class HostCall(HostCallable):
         self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
         self.lean = lean
         self.ffi_id = None  # set when lowered (see _ffi.register)
-        self.origin = None  # the traced call this one stands for (see `narrowed`)
+        # the traced call this one stands for (see `narrowed`)
+        self.origin: HostCall | None = None
         self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
         diff_in = tuple(i for i, s in enumerate(in_specs) if inexact_spec(s))
         diff_out = tuple(i for i, s in enumerate(out_specs) if inexact_spec(s))
+        self.slots: tuple[int, ...]  # the method's (co)tangent arguments XLA passes
+        self.result_picks: tuple[int, ...] | None  # the method's results XLA receives
         if phase == "forward":
             self.slots, self.n_slots, self.result_picks = (), 0, None
             self.result_specs = self.out_specs
@@ -140,22 +144,22 @@ class HostCall(HostCallable):
         self.n_linear = len(self.slots)
         self.arg_specs = _linear_specs(phase, self.in_specs, self.out_specs) + self.in_specs
         self.batch_shape = tuple(batch_shape)
-        self._shapes = None
+        self._shapes: tuple[jax.ShapeDtypeStruct, ...] | None = None
         self.levels = (levels if levels is not None
                        else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
-        cls = type(op)
+        cls: type = type(op)  # (`type`: mypy finds `type[Any]` unhashable)
         self.function = getattr(cls, phase)  # class-level: no per-call bound method
         self.batched, takes_flag, self.takes_out, self.expand_dims = _method_info(cls, phase)
         # A batched method may take a keyword `batched` to learn whether this call
         # carries the leading batch axis (it does only when distop batches).
-        self.kwargs = {"batched": bool(batch_shape)} if takes_flag else {}
+        self.kwargs: dict[str, Any] = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
         self.where = f"{cls.__name__}.{phase}"
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         # what the method receives: the communication it declared, no more
         self.guarded = GuardedComm(comm, self.declared, self.where)
-        self.checker = None
+        self.checker: _safety.Checker | None = None
         if (settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
             self.checker = checker(comm)
@@ -207,7 +211,7 @@ class HostCall(HostCallable):
 
     # -- what XLA calls -------------------------------------------------------------
     def __call__(self, *args: np.ndarray, out: Sequence[np.ndarray] | None = None,
-                 rows: Rows | bool = False) -> tuple[np.ndarray, ...]:
+                 rows: Rows | Literal[False] = False) -> tuple[np.ndarray, ...]:
         """Run the user method on XLA's arguments.
 
         **Arguments:**
@@ -221,7 +225,7 @@ class HostCall(HostCallable):
         """
         with self._watch:
             try:
-                comm = self.guarded
+                comm: GuardedComm | _safety.CheckedComm = self.guarded
                 if self.checker is not None:
                     comm = _safety.CheckedComm(comm, self.checker, self.where)
                 if not self.batch_shape:
@@ -265,16 +269,16 @@ class HostCall(HostCallable):
         if self.phase == "forward" or self.n_slots == self.n_linear == 1:
             # the inputs, or one (co)tangent (passed as itself) and the inputs
             return self.function(self.op, comm, *args, **kwargs)
-        linear = [None] * self.n_slots
+        linear: list[np.ndarray | None] = [None] * self.n_slots
         for slot, a in zip(self.slots, args):
             linear[slot] = a
-        linear = tuple(linear) if self.n_slots > 1 else linear[0]
-        return self.function(self.op, comm, linear, *args[self.n_linear:], **kwargs)
+        given = tuple(linear) if self.n_slots > 1 else linear[0]
+        return self.function(self.op, comm, given, *args[self.n_linear:], **kwargs)
 
     def _user_out(self, out: Sequence[np.ndarray]) -> Any:
         if self.n_user_results == 1 and len(out) == 1:
             return out[0]
-        every = [None] * self.n_user_results
+        every: list[np.ndarray | None] = [None] * self.n_user_results
         for (k, _, _), buffer in zip(self._expected, out):
             every[k] = buffer
         return every[0] if self.n_user_results == 1 else tuple(every)
@@ -303,7 +307,9 @@ class HostCall(HostCallable):
         there, on this rank."""
         n = self.batch_shape[0]
         masks = [np.asarray(a).reshape(n, -1).any(axis=1) for a in args[:self.n_linear]]
-        return masks[0] if len(masks) == 1 else np.logical_or.reduce(masks)
+        # (numpy's stubs allow a scalar from `any(axis=1)`: never, on a 2-D array)
+        return (masks[0] if len(masks) == 1  # type: ignore[return-value]
+                else np.logical_or.reduce(masks))
 
     @functools.cached_property
     def _skips_alone(self) -> bool:
@@ -329,21 +335,21 @@ class HostCall(HostCallable):
         into `out` (XLA's buffers) when given; a batched method that takes `out=` then
         gets its part of them when the rows are contiguous."""
         part = [a[rows] if lv[0] else a for a, lv in zip(args, self.levels)]
-        contiguous = isinstance(rows, slice)
-        count = rows.stop - rows.start if contiguous else len(rows)
+        count = rows.stop - rows.start if isinstance(rows, slice) else len(rows)
         results = out if out is not None else [np.empty(self.batch_shape + s.shape, s.dtype)
                                                for s in self.result_specs]
         given = None
+        found: Sequence[np.ndarray | int]
         if not count:
             found = [0] * len(results)
         elif self.batched:
-            if contiguous and out is not None and self.takes_out:
+            if isinstance(rows, slice) and out is not None and self.takes_out:
                 given = [full[rows] for full in results]
             found = self._call_batched(part, comm, given, batch_shape=(count,))
         else:
             found = self._call_rows(part, comm, (count,))
         for full, some in zip(results, found):
-            if contiguous and count:
+            if isinstance(rows, slice) and count:
                 if rows.start:
                     full[:rows.start] = 0
                 if rows.stop < len(full):

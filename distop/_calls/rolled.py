@@ -31,7 +31,7 @@ class RolledCall(HostCallable):
         """**Returns:** the `jax.ShapeDtypeStruct`s of the results (the members')."""
         return self.members[0].shapes()
 
-    def __call__(self, index: np.ndarray, *args: np.ndarray,
+    def __call__(self, *args: np.ndarray,
                  out: Sequence[np.ndarray] | None = None) -> Sequence[np.ndarray]:
-        """Run the member of iteration `index` on the other arguments."""
-        return self.members[int(index)](*args, out=out)
+        """Run the member of iteration `args[0]` (the index) on the other arguments."""
+        return self.members[int(args[0])](*args[1:], out=out)

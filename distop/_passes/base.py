@@ -76,10 +76,10 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
         raise NotImplementedError(f"{type(self).__name__} is not an `ahead` pass.")
 
 
-class LocalPass(Pass[Proposal, Decision]):
+class LocalPass(Pass[Proposal, Proposal]):
     """A pass that needs nothing from the other ranks: its decision is its proposal."""
 
-    def merge(self, proposals: Sequence[Proposal]) -> Decision:
+    def merge(self, proposals: Sequence[Proposal]) -> Proposal:
         """**Returns:** the one proposal (this rank's)."""
         (only,) = proposals
         return only

@@ -16,10 +16,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, new_jaxp
 
 from .base import Context, LocalPass
 from .identity import drop_identity_products
-from .jaxprs import variables
+from .jaxprs import shaped, variables
 
 
-class FoldKnown(LocalPass[tuple[int, ...], tuple[int, ...]]):
+class FoldKnown(LocalPass[tuple[int, ...]]):
     """What the program computes from its identity inputs alone, computed now.
 
     Proposal and decision: the positions of the inputs that hold identity matrices.
@@ -73,8 +73,8 @@ def fold_known(closed_jaxpr: ClosedJaxpr, identities: set[Var], limit: int = FOL
     reads only known values.
     """
     jaxpr = closed_jaxpr.jaxpr
-    known = {v: np.eye(*v.aval.shape, dtype=v.aval.dtype) for v in identities
-             if math.prod(v.aval.shape) <= limit}
+    known = {v: np.eye(*shaped(v).shape, dtype=shaped(v).dtype) for v in identities
+             if math.prod(shaped(v).shape) <= limit}
     if not known:
         return None
     env = dict(known)  # every value computed here (constants: as the program has them)
@@ -94,7 +94,7 @@ def fold_known(closed_jaxpr: ClosedJaxpr, identities: set[Var], limit: int = FOL
         kept.append(eqn)  # (also what reads constants only: XLA folds that itself)
     read = set(variables(jaxpr.outvars)).union(*(variables(e.invars) for e in kept))
     results = [v for v in env if v in seeded and v in read and v not in known]
-    if not results or sum(math.prod(v.aval.shape) for v in results) > budget:
+    if not results or sum(math.prod(shaped(v).shape) for v in results) > budget:
         return None
     values = [np.asarray(env[v], order="C") for v in results]  # (0-d stays 0-d)
     closed = ClosedJaxpr(Jaxpr([*jaxpr.constvars, *results], jaxpr.invars, jaxpr.outvars,
@@ -135,7 +135,7 @@ def _evaluate(eqn: JaxprEqn, values: Sequence[Any], limit: int) -> list[np.ndarr
     where a result has more than `limit` elements, or where the values would not be
     XLA's (see `_NUMPY`). A value numpy cannot take (a typed PRNG key) or an operation
     it refuses leaves the equation to XLA too."""
-    if eqn.effects or sum(math.prod(v.aval.shape) for v in eqn.outvars) > limit:
+    if eqn.effects or sum(math.prod(shaped(v).shape) for v in eqn.outvars) > limit:
         return None
     try:
         with np.errstate(all="ignore"):  # (0 * inf in a constant is XLA's NaN as well)
@@ -149,12 +149,12 @@ def _evaluate(eqn: JaxprEqn, values: Sequence[Any], limit: int) -> list[np.ndarr
         return None
     if found is None:
         return None
-    found = list(found) if eqn.primitive.multiple_results else [found]
-    if len(found) != len(eqn.outvars) or any(
-            np.shape(r) != v.aval.shape or np.result_type(r) != v.aval.dtype
-            for r, v in zip(found, eqn.outvars)):
+    results: list[Any] = list(found) if eqn.primitive.multiple_results else [found]
+    if len(results) != len(eqn.outvars) or any(
+            np.shape(r) != shaped(v).shape or np.result_type(r) != shaped(v).dtype
+            for r, v in zip(results, eqn.outvars)):
         return None
-    return [np.asarray(r) for r in found]
+    return [np.asarray(r) for r in results]
 
 
 def _evaluate_all(closed_jaxpr: ClosedJaxpr, values: Sequence[np.ndarray],
@@ -172,7 +172,7 @@ def _evaluate_all(closed_jaxpr: ClosedJaxpr, values: Sequence[np.ndarray],
 
 def _value(env: dict[Var, Any], atom: Var | Literal) -> Any:
     """The value of a variable in `env`, or of a literal."""
-    return np.asarray(atom.val, atom.aval.dtype) if isinstance(atom, Literal) else env[atom]
+    return np.asarray(atom.val, shaped(atom).dtype) if isinstance(atom, Literal) else env[atom]
 
 
 def _pad(x: np.ndarray, value: np.ndarray,
@@ -267,11 +267,12 @@ def _dot(x: np.ndarray, y: np.ndarray, dimension_numbers: Any,
             or (_selects(y, cy) and np.isfinite(x).all())):
         return None
     letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    sx, sy = [None] * x.ndim, [None] * y.ndim
+    shared_x: list[str | None] = [None] * x.ndim
+    shared_y: list[str | None] = [None] * y.ndim
     for i, j in (*zip(bx, by), *zip(cx, cy)):
-        sx[i] = sy[j] = next(letters)
-    sx = [a or next(letters) for a in sx]
-    sy = [a or next(letters) for a in sy]
+        shared_x[i] = shared_y[j] = next(letters)
+    sx = [a or next(letters) for a in shared_x]
+    sy = [a or next(letters) for a in shared_y]
     out = ([sx[i] for i in bx] + [a for i, a in enumerate(sx) if i not in (*bx, *cx)]
            + [a for j, a in enumerate(sy) if j not in (*by, *cy)])
     found = np.einsum(f"{''.join(sx)},{''.join(sy)}->{''.join(out)}", x, y)
@@ -312,6 +313,6 @@ _NUMPY: dict[str, Callable[..., Any]] = {
 def _permutation(value: np.ndarray) -> bool:
     """Whether `value` is a permutation matrix (0 and 1 only, one 1 in every row and
     every column), the identity included."""
-    return (value.ndim == 2 and value.shape[0] == value.shape[1]
-            and value.dtype.kind in "biuf" and (value >= 0).all()
-            and _selects(value, (0,)) and _selects(value, (1,)))
+    return bool(value.ndim == 2 and value.shape[0] == value.shape[1]
+                and value.dtype.kind in "biuf" and (value >= 0).all()
+                and _selects(value, (0,)) and _selects(value, (1,)))

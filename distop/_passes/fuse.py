@@ -12,7 +12,15 @@ the original order wherever it can), and the result is again one chain.
 import heapq
 from collections.abc import Sequence
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Primitive, Var, new_jaxpr_eqn
+from jax.extend.core import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    Var,
+    new_jaxpr_eqn,
+)
 
 from .._calls.fused import FusedCall, Wiring
 from .._operator import host_call_p
@@ -41,9 +49,10 @@ class Fuse(Pass[Joins | None, Joins | None]):
     def merge(self, proposals: Sequence[Joins | None]) -> Joins | None:
         """**Returns:** per call, whether every rank can join it; None if a rank does not
         fuse or the ranks' chains differ in length."""
-        if any(j is None or len(j) != len(proposals[0]) for j in proposals):
+        every = [j for j in proposals if j is not None]
+        if len(every) < len(proposals) or any(len(j) != len(every[0]) for j in every):
             return None
-        return tuple(map(all, zip(*proposals)))
+        return tuple(map(all, zip(*every)))
 
     def apply(self, program: ClosedJaxpr, decision: Joins | None) -> ClosedJaxpr:
         """**Returns:** `program` with the decided runs fused, or `program` itself."""
@@ -139,13 +148,16 @@ def _groups(jaxpr: Jaxpr, allowed: Joins | None = None,
     each call of a run reads only values computed before the run or results of the
     calls before it in the run, as they are (no XLA operation in between), and joins
     the run only where `allowed` (per chain position; None: everywhere) says it may."""
-    uses = {}
+    uses: dict[Var, int] = {}
     for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
         if isinstance(v, Var):
             uses[v] = uses.get(v, 0) + 1
-    deps = {}  # var -> bit set of the chain calls it depends on (through data, not token)
-    groups, mask, made, position = [], 0, set(), 0
-    previous_token = None
+    # var -> bit set of the chain calls it depends on (through data, not token)
+    deps: dict[Var, int] = {}
+    groups: list[list[int]] = []
+    made: set[Var] = set()
+    mask, position = 0, 0
+    previous_token: Var | None = None  # (set with the first group)
     for i, eqn in enumerate(jaxpr.eqns):
         lean = is_lean(eqn)
         reads = [v for v in (eqn.invars[1:] if lean else eqn.invars) if isinstance(v, Var)]
@@ -155,7 +167,7 @@ def _groups(jaxpr: Jaxpr, allowed: Joins | None = None,
         if lean:
             bit = 1 << position
             position += 1
-            joins = (groups and uses.get(previous_token, 0) == 1
+            joins = (groups and previous_token is not None and uses.get(previous_token, 0) == 1
                      and (allowed is None or allowed[position - 1])
                      and all(v in made or not deps.get(v, 0) & mask for v in reads))
             if joins:
@@ -190,7 +202,7 @@ def _nodes(jaxpr: Jaxpr, groups: list[list[int]], uses: dict[Var, int],
         calls = [eqns[j] for j in group]
         inputs, wiring, results, made = _wiring(calls)
         # a result leaves the fused call unless only later calls of the group read it
-        inner_reads = {}
+        inner_reads: dict[Var, int] = {}
         for e in calls:
             for v in variables(e.invars[1:]):
                 if v in made:
@@ -205,14 +217,19 @@ def _nodes(jaxpr: Jaxpr, groups: list[list[int]], uses: dict[Var, int],
     return nodes
 
 
-def _wiring(calls: Sequence[JaxprEqn]) -> tuple[list, Wiring, list[Var], dict[Var, int]]:
+def _wiring(calls: Sequence[JaxprEqn],
+            ) -> tuple[list[Var | Literal], Wiring, list[Var], dict[Var, int]]:
     """How the calls of one fused call read their arguments.
 
     **Returns:** (the fused call's inputs, per call its `FusedCall` wiring, the calls'
     results in order, variable -> its index among them). An input read by several
     calls is passed once; a literal takes a place of its own.
     """
-    made, inputs, index, wiring, results = {}, [], {}, [], []
+    made: dict[Var, int] = {}
+    inputs: list[Var | Literal] = []
+    index: dict[Var, int] = {}
+    wiring: list[tuple[tuple[bool, int], ...]] = []
+    results: list[Var] = []
     for e in calls:
         wires = []
         for v in e.invars[1:]:
@@ -238,7 +255,8 @@ def _topological(nodes: list[tuple[int, JaxprEqn]]) -> list[JaxprEqn]:
     for k, (_, eqn) in enumerate(nodes):
         for v in eqn.outvars:
             producer[v] = k
-    waiting, users = [], {}
+    waiting: list[int] = []
+    users: dict[int, list[int]] = {}
     for k, (_, eqn) in enumerate(nodes):
         before = {producer[v] for v in eqn.invars if isinstance(v, Var) and v in producer}
         waiting.append(len(before))

@@ -15,9 +15,10 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, new_jaxpr_eqn
 
 from .base import Context, LocalPass
+from .jaxprs import shaped
 
 
-class DropIdentityProducts(LocalPass[tuple[int, ...], tuple[int, ...]]):
+class DropIdentityProducts(LocalPass[tuple[int, ...]]):
     """Products with the program's identity inputs (the unit seeds) dropped.
 
     Proposal and decision: the positions of the inputs that hold identity matrices.
@@ -56,7 +57,8 @@ def drop_identity_products(closed_jaxpr: ClosedJaxpr, identities: set[Var],
     permutations = permutations or {}
     if not identities and not permutations:
         return None
-    jaxpr, rename, eqns, dropped = closed_jaxpr.jaxpr, {}, [], False
+    jaxpr, eqns, dropped = closed_jaxpr.jaxpr, [], False
+    rename: dict[Var, Var] = {}
     constvars, consts = list(jaxpr.constvars), list(closed_jaxpr.consts)
     for eqn in jaxpr.eqns:
         if rename:
@@ -76,7 +78,7 @@ def drop_identity_products(closed_jaxpr: ClosedJaxpr, identities: set[Var],
                                       eqn.ctx))
         else:  # a function of `other`: its equations, inlined
             inner = jax.make_jaxpr(permutation)(
-                jax.ShapeDtypeStruct(other.aval.shape, other.aval.dtype))
+                jax.ShapeDtypeStruct(shaped(other).shape, shaped(other).dtype))
             constvars += inner.jaxpr.constvars
             consts += inner.consts
             inside = {inner.jaxpr.invars[0]: other}
@@ -92,9 +94,13 @@ def drop_identity_products(closed_jaxpr: ClosedJaxpr, identities: set[Var],
     return ClosedJaxpr(new, consts)
 
 
+# how a product follows from its other factor: see `_identity_product`
+Product = tuple[int, ...] | Callable[[jax.Array], jax.Array] | None
+
+
 def _identity_product(eqn: JaxprEqn, identities: set[Var],
                       permutations: dict[Var, np.ndarray],
-                      ) -> tuple[Var, tuple[int, ...] | Callable | None] | None:
+                      ) -> tuple[Var, Product] | None:
     """**Returns:** (the other factor, how the product follows from it) if `eqn`
     multiplies an identity or permutation matrix with another array (a `dot_general`
     contracting one axis, no batch axes, same dtype); else None. How: None (the other
@@ -104,15 +110,15 @@ def _identity_product(eqn: JaxprEqn, identities: set[Var],
     (contract_l, contract_r), batch = eqn.params["dimension_numbers"]
     if any(batch) or len(contract_l) != 1:
         return None
-    out = eqn.outvars[0].aval
+    out = shaped(eqn.outvars[0])
     lhs, rhs = eqn.invars
     for unit, other, axis, first, own in ((lhs, rhs, contract_r[0], True, contract_l[0]),
                                           (rhs, lhs, contract_l[0], False, contract_r[0])):
         if not (isinstance(unit, Var) and isinstance(other, Var)
                 and other not in identities and other not in permutations
-                and other.aval.dtype == out.dtype):
+                and shaped(other).dtype == out.dtype):
             continue
-        rest = [a for a in range(other.aval.ndim) if a != axis]
+        rest = [a for a in range(shaped(other).ndim) if a != axis]
         permutation = [axis] + rest if first else rest + [axis]
         if unit in identities:
             if permutation == sorted(permutation):

@@ -3,8 +3,17 @@
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Var, jaxpr_as_fun
+from jax.extend.core import (
+    ClosedJaxpr,
+    DebugInfo,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    jaxpr_as_fun,
+)
 
 from .._calls.base import HostCallable
 
@@ -14,9 +23,15 @@ def is_lean(eqn: JaxprEqn) -> bool:
     return getattr(eqn.params.get("call"), "lean", False)
 
 
-def variables(atoms: Iterable) -> list[Var]:
+def variables(atoms: Iterable[Var | Literal]) -> list[Var]:
     """**Returns:** the variables among `atoms` (literals left out)."""
     return [v for v in atoms if isinstance(v, Var)]
+
+
+def shaped(atom: Var | Literal) -> Any:
+    """**Returns:** `atom`'s abstract value: a `ShapedArray` (`shape`, `dtype`, `ndim`) in
+    the programs the passes rewrite, which JAX declares as any `AbstractValue`."""
+    return atom.aval
 
 
 def positions(jaxpr: Jaxpr) -> dict[int, int]:
@@ -28,6 +43,13 @@ def other_effects(jaxpr: Jaxpr) -> bool:
     """Whether `jaxpr` has effects besides its lean calls, whose order a reordering of
     the program could change."""
     return any(eqn.effects and not is_lean(eqn) for eqn in jaxpr.eqns)
+
+
+def chain_token(eqn: JaxprEqn) -> Var:
+    """**Returns:** the token a lean call reads (its first argument)."""
+    token = eqn.invars[0]
+    assert isinstance(token, Var)  # the chain starts at a program input: no literal
+    return token
 
 
 def lean_calls(jaxpr: Jaxpr) -> tuple[HostCallable, ...]:
@@ -46,7 +68,7 @@ class Piece:
 
     inputs: list[Var]
     outputs: list[Var]
-    fn: Callable
+    fn: Callable[..., list[Any]]
     token: Var | None
     token_out: Var | None
 
@@ -64,7 +86,9 @@ def pieces(jaxpr: Jaxpr, bounds: Sequence[int]) -> list[Piece]:
 
 def _piece(eqns: Sequence[JaxprEqn], needed: set[Var]) -> Piece:
     """**Returns:** the `Piece` of `eqns`; `needed` holds the variables read after them."""
-    defined, inputs, seen = set(), [], set()
+    defined: set[Var] = set()
+    inputs: list[Var] = []
+    seen: set[Var] = set()
     for eqn in eqns:
         for v in variables(eqn.invars):
             if v not in defined and v not in seen:
@@ -72,9 +96,10 @@ def _piece(eqns: Sequence[JaxprEqn], needed: set[Var]) -> Piece:
                 inputs.append(v)
         defined.update(eqn.outvars)
     outputs = [v for eqn in eqns for v in eqn.outvars if v in needed]
-    token = next((eqn.invars[0] for eqn in eqns if is_lean(eqn)), None)
+    token = next((chain_token(eqn) for eqn in eqns if is_lean(eqn)), None)
     token_out = next((eqn.outvars[0] for eqn in reversed(eqns) if is_lean(eqn)), None)
-    info = DebugInfo("distop segment", None, ("",) * len(inputs), ("",) * len(outputs))
+    info = DebugInfo("distop segment", "distop_segment", ("",) * len(inputs),
+                     ("",) * len(outputs))
     fn = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, list(eqns), debug_info=info),
                                   []))
     return Piece(inputs, outputs, fn, token, token_out)

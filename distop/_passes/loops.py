@@ -28,12 +28,12 @@ from jax.extend.core import (
 
 from .._calls.rolled import RolledCall
 from .._compat import ShapedArray
-from .jaxprs import is_lean, other_effects, pieces, variables
+from .jaxprs import is_lean, other_effects, pieces, shaped, variables
 
 REPEATS = 16  # fewest repetitions of a stretch that `rolled` rolls into a loop
 
 Slot = tuple[int, int]  # (equation within a repetition, argument or result)
-Kind = tuple  # what an argument reads: see `_kind`
+Kind = tuple[Any, ...]  # what an argument reads: see `_kind`
 
 
 @dataclasses.dataclass
@@ -97,7 +97,8 @@ def rolled(closed_jaxpr: ClosedJaxpr, repeats: int | None = None) -> Rolled | No
     def run(*args: jax.Array) -> list[jax.Array]:
         env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
         env.update(zip(jaxpr.invars, args))
-        stacked = {}  # var -> (a loop's stacked results, index): read there when needed
+        # var -> (a loop's stacked results, index): read there when needed
+        stacked: dict[Var, tuple[Any, int]] = {}
 
         def read(v: Var | Literal) -> Any:
             if isinstance(v, Literal):
@@ -117,7 +118,7 @@ def rolled(closed_jaxpr: ClosedJaxpr, repeats: int | None = None) -> Rolled | No
     return Rolled(jax.make_jaxpr(run)(*avals), tuple(made))
 
 
-def _key(eqn: JaxprEqn) -> tuple:
+def _key(eqn: JaxprEqn) -> tuple[Any, ...]:
     """What two equations must share to be one equation of a loop's body: primitive,
     parameters (lean calls count alike), argument and result types, literals' values."""
     params = []
@@ -138,19 +139,22 @@ def _key(eqn: JaxprEqn) -> tuple:
 def _loops(jaxpr: Jaxpr, repeats: int) -> list[_Loop]:
     """**Returns:** the `_Loop`s of `jaxpr`, in program order, none overlapping. Each
     starts at a lean call that recurs, every k equations, at least `repeats` times."""
-    eqns, ids = jaxpr.eqns, {}
+    eqns = jaxpr.eqns
+    ids: dict[tuple[Any, ...], int] = {}
     keys = [ids.setdefault(_key(eqn), len(ids)) for eqn in eqns]
-    later, seen = [None] * len(eqns), {}
+    later: list[int | None] = [None] * len(eqns)  # the next equation of the same key
+    seen: dict[int, int] = {}
     for i in range(len(eqns) - 1, -1, -1):
         later[i], seen[keys[i]] = seen.get(keys[i]), i
     where = {v: (i, p) for i, eqn in enumerate(eqns) for p, v in enumerate(eqn.outvars)}
-    readers = {}
+    readers: dict[Var, list[int]] = {}
     for i, eqn in enumerate(eqns):
         for v in variables(eqn.invars):
             readers.setdefault(v, []).append(i)
     for v in variables(jaxpr.outvars):
         readers.setdefault(v, []).append(len(eqns))
-    loops, i = [], 0
+    loops: list[_Loop] = []
+    i = 0
     while i < len(eqns):
         step, j, tries = 1, later[i], 0
         while is_lean(eqns[i]) and j is not None and tries < 4:
@@ -181,19 +185,21 @@ def _loop(eqns: Sequence[JaxprEqn], start: int, k: int, m: int,
         return None, m
     # A result is read in its own repetition, the next one or after the loop (`_kinds`
     # ended the run at any read from two or more repetitions back).
-    needed, stop = {}, start + m * k
+    needed: dict[Slot, bool] = {}
+    stop = start + m * k
     for j in range(m):
         for r in range(k):
             for p, v in enumerate(eqns[start + j * k + r].outvars):
                 if any(u >= stop for u in readers.get(v, ())):
                     needed[(r, p)] = needed.get((r, p), False) or j < m - 1
-    starts = {}
+    starts: dict[Slot, Var] = {}
     for (r, q), kind in kinds.items():
         if kind[0] == "carry":  # the arguments carried from one result start alike
-            v, produced = eqns[start + r].invars[q], eqns[start + kind[1]].outvars[kind[2]]
-            if (starts.setdefault(kind[1:], v) is not v
-                    or v.aval.shape != produced.aval.shape
-                    or v.aval.dtype != produced.aval.dtype):
+            arg, produced = eqns[start + r].invars[q], eqns[start + kind[1]].outvars[kind[2]]
+            assert isinstance(arg, Var)  # (a literal is `_LITERAL`, never carried)
+            if (starts.setdefault(kind[1:], arg) is not arg
+                    or shaped(arg).shape != shaped(produced).shape
+                    or shaped(arg).dtype != shaped(produced).dtype):
                 return None, 0
     return _Loop(start, k, m, kinds, starts, needed), m
 
@@ -204,16 +210,17 @@ def _kinds(eqns: Sequence[JaxprEqn], start: int, k: int, m: int,
     `_kind`; carried where the first repetition reads a value from before the loop
     and the others the one before's result), how many repetitions from `start` read
     alike (at most `m`))."""
-    kinds = {}
+    kinds: dict[Slot, Kind] = {}
     for j in range(m):
         base = start + j * k
         for r in range(k):
             for q, v in enumerate(eqns[base + r].invars):
                 kind = _kind(v, where, start, base, k)
-                if j == 0 or (j == 1 and kinds[(r, q)] == _OUTSIDE and kind is not None
-                              and kind[0] == "carry"):
+                if kind is None:  # (never in the first repetition: none is before it)
+                    return kinds, j
+                if j == 0 or (j == 1 and kinds[(r, q)] == _OUTSIDE and kind[0] == "carry"):
                     kinds[(r, q)] = kind
-                elif kind is None or kind != kinds[(r, q)]:
+                elif kind != kinds[(r, q)]:
                     return kinds, j
     return kinds, m
 
@@ -251,7 +258,8 @@ def _run_loop(eqns: Sequence[JaxprEqn], loop: _Loop, read: Callable[[Any], Any],
     for slot, kind in loop.kinds.items():
         if kind != _OUTSIDE:
             continue
-        every = [eqns[start + j * k + slot[0]].invars[slot[1]] for j in range(m)]
+        # (values from before the loop: variables, a literal being `_LITERAL`)
+        every = variables(eqns[start + j * k + slot[0]].invars[slot[1]] for j in range(m))
         body_var = Var(every[0].aval)
         if all(v is every[0] for v in every):
             invariants.append((body_var, read(every[0])))
@@ -279,13 +287,13 @@ def _run_loop(eqns: Sequence[JaxprEqn], loop: _Loop, read: Callable[[Any], Any],
     inputs = list(carry_in.values()) + [index] + [v for v, _ in xs] + [v for v, _ in invariants]
     outputs = ([block[r].outvars[p] for r, p in loop.carried]
                + [block[r].outvars[p] for r, p in ys])
-    info = DebugInfo("distop loop", None, ("",) * len(inputs), ("",) * len(outputs))
+    info = DebugInfo("distop loop", "distop_loop", ("",) * len(inputs), ("",) * len(outputs))
     body = jaxpr_as_fun(ClosedJaxpr(Jaxpr([], inputs, outputs, body_eqns, debug_info=info),
                                     []))
     fixed = [value for _, value in invariants]
     init = [read(loop.starts[c]) for c in loop.carried]
 
-    def step(carry: list, x: list) -> tuple[list, list]:
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         results = body(*carry, *x, *fixed)
         return results[:len(carry)], results[len(carry):]
 
@@ -306,22 +314,23 @@ def _stack(every: Sequence[Var], read: Callable[[Any], Any],
            stacked: dict[Var, tuple[Any, int]]) -> jax.Array:
     """The values of `every` (variables) stacked along a new first axis: a run of them
     that a loop stacked in order (or in reverse order) is a slice of its stack."""
-    pieces, j, none = [], 0, (None, None)
+    pieces, j = [], 0
     while j < len(every):
-        array, first = stacked.get(every[j], none)
+        found = stacked.get(every[j])
         run, step = 1, 1
-        if array is not None and j + 1 < len(every):
-            after = stacked.get(every[j + 1], none)
-            if after[0] is array and abs(after[1] - first) == 1:
-                step = after[1] - first
-                while j + run < len(every):
-                    found = stacked.get(every[j + run], none)
-                    if found[0] is not array or found[1] != first + step * run:
-                        break
-                    run += 1
-        if array is None:
+        if found is None:
             pieces.append(lax.expand_dims(read(every[j]), (0,)))
         else:
+            array, first = found
+            after = stacked.get(every[j + 1]) if j + 1 < len(every) else None
+            if after is not None and after[0] is array and abs(after[1] - first) == 1:
+                step = after[1] - first
+                while j + run < len(every):
+                    further = stacked.get(every[j + run])
+                    if (further is None or further[0] is not array
+                            or further[1] != first + step * run):
+                        break
+                    run += 1
             low = min(first, first + step * (run - 1))
             piece = lax.slice_in_dim(array, low, low + run)
             pieces.append(piece if step == 1 else lax.rev(piece, (0,)))

@@ -26,9 +26,10 @@ on every rank if it raised on any, and returns (its result, every rank's
    shares the proposals of `SETTLE`; their decisions are applied after it.
 """
 
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
@@ -38,12 +39,24 @@ from .._errors import DistopError
 from . import fold, fuse, identity, loops, rows, segments, unused
 from .base import Context, Pass
 
-PASSES: tuple[Pass, ...] = (identity.DropIdentityProducts(), fold.FoldKnown(),
-                            rows.KnownRows(), unused.DropUnused(), fuse.Fuse())
-SETTLE: tuple[Pass, ...] = (fuse.AgreeRows(),)
+PASSES: tuple[Pass[Any, Any], ...] = (identity.DropIdentityProducts(), fold.FoldKnown(),
+                                      rows.KnownRows(), unused.DropUnused(), fuse.Fuse())
+SETTLE: tuple[Pass[Any, Any], ...] = (fuse.AgreeRows(),)
 
-# `exchange(what, thunk, share) -> (thunk(), every rank's share(thunk()))`
-Exchange = Callable[[str, Callable[[], Any], Callable[[Any], Any]], tuple[Any, list]]
+Result = TypeVar("Result")
+Shared = TypeVar("Shared")
+
+
+class Exchange(Protocol):
+    """`exchange(what, thunk, share) -> (thunk(), every rank's share(thunk()))`."""
+
+    def __call__(self, what: str, thunk: Callable[[], Result],
+                 share: Callable[[Result], Shared]) -> tuple[Result, list[Shared]]: ...
+
+
+Outputs = dict[str, tuple[tuple[int, ...], Any]]  # name -> (shape, dtype)
+# (function, outputs, program) as traced: the fields of a `LeanProgram`
+Found = tuple[Callable[..., Any], Outputs, ClosedJaxpr]
 
 
 class LeanProgram(NamedTuple):
@@ -54,8 +67,8 @@ class LeanProgram(NamedTuple):
     `closed` (the program before loops and segments: its schedule).
     """
 
-    fn: Callable
-    outputs: dict
+    fn: Callable[..., Any]
+    outputs: Outputs
     closed: ClosedJaxpr
 
 
@@ -70,10 +83,10 @@ class Proposed(NamedTuple):
 
     analysed: ClosedJaxpr | None
     program: ClosedJaxpr
-    proposals: tuple
+    proposals: tuple[Any, ...]
 
 
-def lean_program(name: str, found: Sequence | None, *, exchange: Exchange,
+def lean_program(name: str, found: Found | None, *, exchange: Exchange,
                  unit_seeds: Sequence[int], fuse: bool, inputs: Mapping[str, Any],
                  specs: Sequence[Any]) -> LeanProgram | None:
     """The lean program of an entry point, agreed and rewritten alike on every rank.
@@ -92,28 +105,32 @@ def lean_program(name: str, found: Sequence | None, *, exchange: Exchange,
     **Returns:** the `LeanProgram`, on every rank, or None on every rank (then the
     program takes the `io_callback` path); `found` itself where nothing changes it.
     """
-    chained = found is not None and _ffi.chained(found[2])
     context = None
-    if chained:
+    if found is not None and _ffi.chained(found[2]):
         invars = found[2].jaxpr.invars
         first = len(invars) - len(specs)
         context = Context(tuple(first + i for i in unit_seeds), fuse)
-    mine, every = exchange(f"{name}: agreeing on the lean path",
-                           lambda: propose(found[2], context, PASSES) if chained else None,
-                           lambda proposed: None if proposed is None else proposed.proposals)
-    if any(proposals is None for proposals in every):
+    given, offered = exchange(
+        f"{name}: agreeing on the lean path",
+        lambda: None if found is None or context is None else propose(found[2], context,
+                                                                      PASSES),
+        lambda proposed: None if proposed is None else proposed.proposals)
+    every = [proposals for proposals in offered if proposals is not None]
+    if len(every) < len(offered):
         return None
+    # every rank proposed, this one too: its program is one chain
+    assert found is not None and context is not None and given is not None
+    mine = given
     shared = [step for step in PASSES if step.shared]
     decisions = [step.merge([p[j] for p in every]) for j, step in enumerate(shared)]
     ahead = next((j for j, step in enumerate(shared) if step.ahead), None)
     while ahead is not None and not shared[ahead].agreed(decisions[ahead]):
         context = shared[ahead].again(context, decisions[ahead])
         rest = PASSES[PASSES.index(shared[ahead]):]
-        mine, every = exchange(
-            f"{name}: agreeing on the calls to drop",
-            lambda start=mine.analysed, context=context, rest=rest: propose(start, context,
-                                                                            rest),
-            lambda proposed: proposed.proposals)
+        assert mine.analysed is not None  # set by the `ahead` pass, which `propose` ran
+        mine, every = exchange(f"{name}: agreeing on the calls to drop",
+                               functools.partial(propose, mine.analysed, context, rest),
+                               lambda proposed: proposed.proposals)
         decisions[ahead:] = [step.merge([p[j] for p in every])
                              for j, step in enumerate(shared[ahead:])]
 
@@ -139,7 +156,8 @@ def propose(program: ClosedJaxpr, context: Context, passes: Sequence[Pass]) -> P
 
     **Returns:** the `Proposed`.
     """
-    analysed, proposals = None, []
+    analysed: ClosedJaxpr | None = None
+    proposals = []
     for step in passes:
         proposal = step.analyse(program, context)
         if step.shared:

@@ -16,7 +16,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, new_jaxp
 
 from .._compat import ShapedArray
 from .base import Context, Pass
-from .jaxprs import is_lean, variables
+from .jaxprs import is_lean, shaped, variables
 
 Spans = dict[int, tuple[int, int]]  # derivative position -> (start, stop) of its rows
 
@@ -139,7 +139,8 @@ def narrow(closed_jaxpr: ClosedJaxpr, spans: Spans) -> ClosedJaxpr | None:
 
 
 def _placed_sums(eqns: list[JaxprEqn], placed: dict[Var, tuple[Var, int]],
-                 outvars: Sequence, added: dict[Var, np.ndarray]) -> list[JaxprEqn]:
+                 outvars: Sequence[Var | Literal], added: dict[Var, np.ndarray],
+                 ) -> list[JaxprEqn]:
     """`eqns` with every sum (`add_any`, as reverse mode accumulates cotangents) made of
     padded results alone, whose rows do not overlap, made one concatenation of them
     with zero blocks between: XLA's CPU code evaluates pads inside a fused sum element
@@ -156,37 +157,42 @@ def _placed_sums(eqns: list[JaxprEqn], placed: dict[Var, tuple[Var, int]],
     - `added`: new constants (variable -> value), updated with the zero blocks.
     """
     results = set(variables(outvars))
-    uses, made = {}, {v: e for e in eqns for v in e.outvars}
+    uses: dict[Var, int] = {}
+    made = {v: e for e in eqns for v in e.outvars}
     for v in [v for e in eqns for v in variables(e.invars)]:
         uses[v] = uses.get(v, 0) + 1
 
-    def only_here(v: object) -> bool:  # read once, by a sum: it may go into that sum's concatenation
-        return isinstance(v, Var) and uses.get(v) == 1 and v not in results
+    def only_here(v: Var) -> bool:  # read once, by a sum: it may go into its concatenation
+        return uses.get(v) == 1 and v not in results
 
-    parts, inner, within = {}, {}, set()  # sum's result -> its padded parts, its sums
+    # sum's result -> its padded parts, its sums
+    parts: dict[Var, list[Var]] = {}
+    inner: dict[Var, list[JaxprEqn]] = {}
+    within: set[Var] = set()
     for eqn in eqns:
-        if eqn.primitive.name != "add_any" or not all(
-                only_here(v) and (v in placed or v in parts) for v in eqn.invars):
+        args = variables(eqn.invars)
+        if eqn.primitive.name != "add_any" or len(args) < len(eqn.invars) or not all(
+                only_here(v) and (v in placed or v in parts) for v in args):
             continue
         out = eqn.outvars[0]
-        parts[out] = [p for v in eqn.invars for p in parts.get(v, [v])]
-        inner[out] = [eqn] + [e for v in eqn.invars for e in inner.get(v, [])]
-        within.update(v for v in eqn.invars if v in parts)
+        parts[out] = [p for v in args for p in parts.get(v, [v])]
+        inner[out] = [eqn] + [e for v in args for e in inner.get(v, [])]
+        within.update(v for v in args if v in parts)
     gone, replace = set(), {}
     for out, padded in parts.items():
-        spans = sorted(((placed[v][1], placed[v][1] + placed[v][0].aval.shape[0], v)
+        spans = sorted(((placed[v][1], placed[v][1] + shaped(placed[v][0]).shape[0], v)
                         for v in padded), key=lambda span: span[:2])
         if out in within or any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
             continue  # part of a larger such sum, or rows that overlap
-        aval, pieces, at = out.aval, [], 0
-        for start, stop, v in spans + [(aval.shape[0], aval.shape[0], None)]:
+        aval, pieces, at = shaped(out), [], 0
+        for start, stop, term in spans + [(aval.shape[0], aval.shape[0], None)]:
             if start > at:
                 zeros = Var(ShapedArray((start - at,) + aval.shape[1:], aval.dtype))
-                added[zeros] = np.zeros(zeros.aval.shape, aval.dtype)
+                added[zeros] = np.zeros(shaped(zeros).shape, aval.dtype)
                 pieces.append(zeros)
-            if v is not None:
-                pieces.append(placed[v][0])
-                gone.add(id(made[v]))
+            if term is not None:
+                pieces.append(placed[term][0])
+                gone.add(id(made[term]))
             at = stop
         gone.update(id(e) for e in inner[out])
         replace[id(inner[out][0])] = new_jaxpr_eqn(pieces, [out], lax.concatenate_p,

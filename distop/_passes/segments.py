@@ -13,6 +13,7 @@ stage (see pipeline.py), after the loops: each loop is a segment of its own.
 """
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +21,13 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from .._ffi import has_lean
-from .jaxprs import is_lean, pieces
+from .jaxprs import is_lean, pieces, shaped
 
 SEGMENT = 64  # host calls per segment of a long chain
 
 
-def segmented(closed_jaxpr: ClosedJaxpr, size: int | None = None) -> Callable | None:
+def segmented(closed_jaxpr: ClosedJaxpr,
+              size: int | None = None) -> Callable[..., list[Any]] | None:
     """A function evaluating `closed_jaxpr` (flat arguments, flat results) with its chain
     cut into segments of `size` (default `SEGMENT`) host calls, each the taken branch of
     a conditional; None if the chain has at most `size` calls."""
@@ -64,9 +66,10 @@ def segmented(closed_jaxpr: ClosedJaxpr, size: int | None = None) -> Callable | 
     return run
 
 
-def _not_taken(outputs: Sequence[Var], token_out: Var | None) -> Callable:
+def _not_taken(outputs: Sequence[Var],
+               token_out: Var | None) -> Callable[..., list[jax.Array]]:
     """The branch never taken: zeros, and a NaN token that fails the count of calls."""
     def branch(*_: jax.Array) -> list[jax.Array]:
-        return [jnp.full(v.aval.shape, jnp.nan if v is token_out else 0, v.aval.dtype)
+        return [jnp.full(shaped(v).shape, jnp.nan if v is token_out else 0, shaped(v).dtype)
                 for v in outputs]
     return branch

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from .base import Context, Pass
-from .jaxprs import is_lean, positions, variables
+from .jaxprs import chain_token, is_lean, positions, variables
 
 
 class Drops(NamedTuple):
@@ -85,7 +85,7 @@ def unused_calls(jaxpr: Jaxpr, allowed: frozenset[int] | None = None) -> tuple[i
                 and not any(v in live for v in eqn.outvars[1:])):
             dropped.append(position[i])
             if eqn.outvars[0] in live:  # the token goes on, past the call
-                live.add(eqn.invars[0])
+                live.add(chain_token(eqn))
         elif is_lean(eqn) or eqn.effects or any(v in live for v in eqn.outvars):
             live.update(variables(eqn.invars))
     return tuple(sorted(dropped))
@@ -101,14 +101,16 @@ def drop_calls(closed_jaxpr: ClosedJaxpr, dropped: Sequence[int]) -> ClosedJaxpr
     """
     if not dropped:
         return closed_jaxpr
-    jaxpr, dropped = closed_jaxpr.jaxpr, set(dropped)
-    indices = {i for i, p in positions(jaxpr).items() if p in dropped}
+    jaxpr, drop = closed_jaxpr.jaxpr, set(dropped)
+    indices = {i for i, p in positions(jaxpr).items() if p in drop}
     # Everything else stays (XLA removes what is unused), but what reads a dropped
     # call's results, which can only be unused as well.
-    rename, gone, eqns = {}, set(), []
+    rename: dict[Var, Var] = {}
+    gone, eqns = set(), []
     for i, eqn in enumerate(jaxpr.eqns):
         if i in indices:
-            rename[eqn.outvars[0]] = rename.get(eqn.invars[0], eqn.invars[0])
+            token = chain_token(eqn)
+            rename[eqn.outvars[0]] = rename.get(token, token)
             gone.update(eqn.outvars[1:])
         elif any(v in gone for v in variables(eqn.invars)):
             gone.update(eqn.outvars)

@@ -9,7 +9,7 @@ from ._safety import Checker, watchdog
 
 _keyval = None  # the MPI attribute key of private duplicates (see `private`)
 _lock = threading.Lock()
-_checkers = {}  # Fortran handle of a private communicator -> its Checker
+_checkers: dict[int, Checker] = {}  # Fortran handle of a private communicator -> its Checker
 
 
 def private(comm: Any) -> Any:

@@ -64,7 +64,7 @@ def _seconds(name: str, default: float) -> float:
 class Settings:
     """distop's run-time settings (see the module docstring)."""
 
-    check_collectives: bool = env_flag("DISTOP_CHECK_COLLECTIVES", False)
+    check_collectives: bool = bool(env_flag("DISTOP_CHECK_COLLECTIVES", False))
     watchdog: float = _seconds("DISTOP_WATCHDOG", 600.0)
 
 

@@ -5,10 +5,8 @@ rewriting a program, the request of a call) ends in one collective on every rank
 that an error on one rank is an error on every rank and no rank waits for another.
 """
 
-import contextlib
 import hashlib
 import itertools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -230,30 +228,21 @@ class Coordinator:
         if self.settle():
             raise Missed
 
-    @contextlib.contextmanager
-    def running(self, ahead: bool) -> Iterator[Callable[[], bool]]:
-        """The agreement around a program's run.
+    def offer(self, ahead: bool) -> None:
+        """Offer the pending agreement to the host calls of the program about to run.
 
-        A program that cannot make the agreement (`ahead` False) has it made first.
-        Else it is offered to the program's first host call while the program runs.
-
-        **Returns:** (as the context's value) a function telling whether the offer is
-        still open after the program was dispatched: then the caller must wait for the
-        program before leaving the context (with JAX's async dispatch it may still run
-        on an XLA thread, and its first host call must find the agreement).
+        A program that cannot make the agreement (`ahead` False) has it made first,
+        here. `withdraw` ends the offer once the program has run; `offered` tells
+        whether it is still open (then the program has not reached its first host
+        call: with JAX's async dispatch it may still run on an XLA thread, and the
+        caller must wait for it before withdrawing the offer).
 
         **Raises:** `Missed` where the ranks disagree.
         """
         global _offered
         if self._pending is not None and not ahead and self.settle():
             raise Missed
-        with _offer_lock:
-            _offered = self._pending  # (still pending only where the program makes it)
-        try:
-            yield lambda: _offered is not None
-        finally:
-            with _offer_lock:
-                _offered = None
+        _offered = self._pending  # (still pending only where the program makes it)
 
     def after_running(self) -> None:
         """Settle the agreement the program was offered, if it did not make it.
@@ -312,10 +301,9 @@ class CallAgreement:
 
 
 # The agreement offered to the host calls of the program running now, if its first
-# call is to make it. Only `Coordinator.running` sets it; the FFI handler reads and
-# withdraws it through `offered` and `withdraw`.
+# call is to make it. Only `Coordinator.offer` sets it (one program runs at a time in
+# a process); the FFI handler reads and withdraws it through `offered` and `withdraw`.
 _offered: CallAgreement | None = None
-_offer_lock = threading.Lock()
 
 
 def offered() -> CallAgreement | None:
@@ -325,8 +313,8 @@ def offered() -> CallAgreement | None:
 
 
 def withdraw() -> None:
-    """Withdraw the offered agreement once a host call has made it and the ranks
-    agree: the program's later calls need not ask."""
+    """Withdraw the offered agreement: once a host call has made it and the ranks
+    agree (the program's later calls need not ask), or once the program has run."""
     global _offered
     _offered = None
 

@@ -8,7 +8,7 @@ import numpy as np
 from . import _ffi, _safety
 from ._calls.host import take_error
 from ._compat import JaxRuntimeError
-from ._coordinator import Coordinator
+from ._coordinator import Coordinator, offered, withdraw
 from ._errors import DistopError
 from ._inputs import DeviceCache
 from ._packing import unpack
@@ -56,12 +56,15 @@ class Executor:
     def _run(self, program: Program, point: dict) -> dict:
         """`__call__` without the translation of host calls' errors."""
         coordinator = self.coordinator
-        with coordinator.running(program.ahead) as still_offered:
+        coordinator.offer(program.ahead)
+        try:
             *packed, token = program.fn(self.token, self.on_device(point), *program.extra)
-            if still_offered():
+            if offered() is not None:
                 # Not made yet: with JAX's async dispatch the program may still run
                 # on an XLA thread, and its first host call must find the agreement.
                 token.block_until_ready()
+        finally:
+            withdraw()
         values = unpack(packed, program.plan)
         # Kept only once the program has ended well: with JAX's async dispatch a host
         # call's error arrives here, in the token too, and every later program would

@@ -174,7 +174,7 @@ def _abort_on_uncaught_exception(comm: Any) -> None:
         abort(comm, f"distop: uncaught {kind.__name__} on rank {comm.Get_rank()}; "
                     f"aborting all {comm.Get_size()} ranks so none waits forever.")
 
-    hook._distop = True
+    hook._distop = True  # type: ignore[attr-defined]  # (marks distop's own hook)
     sys.excepthook = hook
 
 

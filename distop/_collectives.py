@@ -7,6 +7,9 @@ rank; its cotangent is this rank's), *distributed* (each rank holds a block alon
 costs one collective.
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -15,12 +18,12 @@ from ._operator import DistributedOperator
 from ._runtime import mpi
 
 
-def _even_counts(total, parts):
+def _even_counts(total: int, parts: int) -> list[int]:
     base, extra = divmod(int(total), parts)
     return [base + (r < extra) for r in range(parts)]
 
 
-def _gather_blocks(comm, block):
+def _gather_blocks(comm: Any, block: np.ndarray) -> np.ndarray:
     """(B, n_r, ...) on every rank -> (B, N, ...) on every rank (uneven blocks)."""
     counts = comm.allgather(block.shape[1])
     moved = np.ascontiguousarray(np.moveaxis(block, 1, 0))  # blocks contiguous per rank
@@ -30,7 +33,7 @@ def _gather_blocks(comm, block):
     return np.ascontiguousarray(np.moveaxis(out, 0, 1))
 
 
-def _transpose_blocks(comm, a, out_counts):
+def _transpose_blocks(comm: Any, a: np.ndarray, out_counts: Sequence[int]) -> np.ndarray:
     """The distributed transpose: `a` is (B, n_r, C), this rank's rows of a global
     (B, R, C); returns (B, out_counts[r], R), this rank's rows of its transpose."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -48,11 +51,11 @@ def _transpose_blocks(comm, a, out_counts):
     return np.ascontiguousarray(stacked.transpose(0, 2, 1))
 
 
-def _batch(x, batched):
+def _batch(x: np.ndarray, batched: bool) -> np.ndarray:
     return x if batched else x[None]
 
 
-def _unbatch(x, batched):
+def _unbatch(x: np.ndarray, batched: bool) -> np.ndarray:
     return x if batched else x[0]
 
 
@@ -64,12 +67,13 @@ class AllreduceSum(DistributedOperator):
     batched_forward = True
     batched_vjp = True
 
-    def forward(self, comm, x, *, batched=False):
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         out = np.empty_like(x)
         comm.Allreduce(x, out, op=mpi().SUM)
         return out
 
-    def vjp(self, comm, s_bar, x, *, batched=False):
+    def vjp(self, comm: Any, s_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
         return s_bar.copy()
 
 
@@ -86,14 +90,15 @@ class Allgather(DistributedOperator):
     batched_forward = True
     batched_vjp = True
 
-    def output_spec(self, x):
+    def output_spec(self, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         total = sum(private(self.comm).allgather(x.shape[0]))
         return jax.ShapeDtypeStruct((total,) + tuple(x.shape[1:]), x.dtype)
 
-    def forward(self, comm, x, *, batched=False):
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         return _unbatch(_gather_blocks(comm, _batch(x, batched)), batched)
 
-    def vjp(self, comm, y_bar, x, *, batched=False):
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
         n = _batch(x, batched).shape[1]
         start = sum(comm.allgather(n)[:comm.Get_rank()])
         return _unbatch(np.ascontiguousarray(_batch(y_bar, batched)[:, start:start + n]),
@@ -108,12 +113,12 @@ class Split(DistributedOperator):
     Fields: `counts`, rows per rank (default: as even as possible, earlier ranks first).
     """
 
-    counts: tuple | None = None
+    counts: tuple[int, ...] | None = None
     vjp_collectives = ("Allgather", "Allgatherv")
     batched_forward = True
     batched_vjp = True
 
-    def rows(self, size, total):
+    def rows(self, size: int, total: int) -> list[int]:
         """**Returns:** the rows per rank for `size` ranks and `total` rows."""
         counts = (list(self.counts) if self.counts is not None
                   else _even_counts(total, size))
@@ -122,19 +127,20 @@ class Split(DistributedOperator):
                              f"({size}) adding up to the {total} rows of the input.")
         return counts
 
-    def output_spec(self, x):
+    def output_spec(self, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         comm = private(self.comm)
         counts = self.rows(comm.Get_size(), x.shape[0])
         return jax.ShapeDtypeStruct((counts[comm.Get_rank()],) + tuple(x.shape[1:]), x.dtype)
 
-    def forward(self, comm, x, *, batched=False):
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         x = _batch(x, batched)
         counts = self.rows(comm.Get_size(), x.shape[1])
         start = sum(counts[:comm.Get_rank()])
         return _unbatch(np.ascontiguousarray(x[:, start:start + counts[comm.Get_rank()]]),
                         batched)
 
-    def vjp(self, comm, y_bar, x, *, batched=False):
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
         return _unbatch(_gather_blocks(comm, _batch(y_bar, batched)), batched)
 
 
@@ -146,16 +152,16 @@ class Alltoall(DistributedOperator):
     even as possible).
     """
 
-    counts: tuple | None = None
+    counts: tuple[int, ...] | None = None
     forward_collectives = ("Allgather", "Alltoallv")
     vjp_collectives = ("Allgather", "Alltoallv")
     batched_forward = True
     batched_vjp = True
 
-    def _out_counts(self, size, columns):
+    def _out_counts(self, size: int, columns: int) -> list[int]:
         return Split(counts=self.counts).rows(size, columns)
 
-    def output_spec(self, x):
+    def output_spec(self, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         if len(x.shape) != 2:
             raise ValueError(f"Alltoall: expected a 2-D block (rows, columns); got shape "
                              f"{tuple(x.shape)}.")
@@ -164,12 +170,13 @@ class Alltoall(DistributedOperator):
         m = self._out_counts(comm.Get_size(), x.shape[1])[comm.Get_rank()]
         return jax.ShapeDtypeStruct((m, total_rows), x.dtype)
 
-    def forward(self, comm, x, *, batched=False):
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         x = _batch(x, batched)
         counts = self._out_counts(comm.Get_size(), x.shape[2])
         return _unbatch(_transpose_blocks(comm, x, counts), batched)
 
-    def vjp(self, comm, y_bar, x, *, batched=False):
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
         x_rows = comm.allgather(x.shape[1] if batched else x.shape[0])
         return _unbatch(_transpose_blocks(comm, _batch(y_bar, batched), x_rows), batched)
 
@@ -186,12 +193,13 @@ class Broadcast(DistributedOperator):
     batched_forward = True
     batched_vjp = True
 
-    def forward(self, comm, x, *, batched=False):
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         out = np.array(x, copy=True)
         comm.Bcast(out, root=self.root)
         return out
 
-    def vjp(self, comm, y_bar, x, *, batched=False):
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
         return y_bar.copy() if comm.Get_rank() == self.root else np.zeros_like(y_bar)
 
 
@@ -208,10 +216,11 @@ class RankLocal(DistributedOperator):
     batched_forward = True
     batched_vjp = True
 
-    def forward(self, comm, x, *, batched=False):
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         return x.copy()
 
-    def vjp(self, comm, x_bar, x, *, batched=False):
+    def vjp(self, comm: Any, x_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
         out = np.empty_like(x_bar)
         comm.Allreduce(x_bar, out, op=mpi().SUM)
         return out

@@ -7,7 +7,7 @@ from ._config import env_flag
 JaxRuntimeError = jax.errors.JaxRuntimeError  # XLA's runtime error
 
 
-def x64_enabled():
+def x64_enabled() -> bool:
     """**Returns:** whether 64-bit JAX types are on (`jax_enable_x64`)."""
     return bool(jax.config.read("jax_enable_x64"))
 
@@ -47,7 +47,7 @@ except (ImportError, OSError, TypeError):  # pragma: no cover - other jax releas
     STRUCTURED_RESIDUALS = False
 
 
-def prefer_inline_execution():
+def prefer_inline_execution() -> None:
     """Ask JAX's CPU client to run programs on the calling thread (turn off its async
     dispatch), unless it has started already or `DISTOP_ASYNC_DISPATCH=1`.
 

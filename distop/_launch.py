@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from ._config import env_flag
 
 
-def _library_family(version):
+def _library_family(version: str) -> str:
     text = version.lower()
     if "open mpi" in text:
         return "Open MPI"
@@ -48,7 +48,8 @@ def detect_launcher(env: Mapping[str, str]) -> tuple[str | None, int | None]:
     return None, None
 
 
-def diagnose(env, library_version, world_size=None):
+def diagnose(env: Mapping[str, str], library_version: str,
+             world_size: int | None = None) -> str | None:
     """Find a launcher/library mismatch.
 
     **Arguments:**
@@ -88,6 +89,6 @@ def diagnose(env, library_version, world_size=None):
     return None
 
 
-def skip():
+def skip() -> bool:
     """**Returns:** whether the user turned the checks off (DISTOP_SKIP_LAUNCH_CHECK)."""
-    return env_flag("DISTOP_SKIP_LAUNCH_CHECK", False)
+    return bool(env_flag("DISTOP_SKIP_LAUNCH_CHECK", False))

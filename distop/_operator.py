@@ -10,6 +10,7 @@ place in program order on every rank and keeps XLA from dropping, duplicating or
 overlapping it.
 """
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -86,31 +87,35 @@ class DistributedOperator(eqx.Module):
         super().__init_subclass__(**kwargs)
         check_declarations(cls)
 
-    def forward(self, comm, *inputs):
+    def forward(self, comm: Any, *inputs: Any, **keywords: Any) -> Any:
         """Compute the outputs on this rank.
 
         **Arguments:**
         - `comm`: the operator's private communicator.
         - `inputs`: C-contiguous numpy arrays (0-d inputs stay 0-d).
+        - `keywords`: `batched` and `out`, where the method takes them (see the class
+          docstring).
 
         **Returns:** a numpy array, or a tuple of them for several outputs.
         """
         raise MissingMethodError(f"{type(self).__name__} does not implement "
                                  "forward(self, comm, *inputs), which every operator needs.")
 
-    def vjp(self, comm, cotangent, *inputs):
+    def vjp(self, comm: Any, cotangent: Any, *inputs: Any, **keywords: Any) -> Any:
         """Pull an output cotangent back to the inputs on this rank.
 
         **Arguments:**
         - `comm`: the operator's private communicator.
         - `cotangent`: the output cotangent (a tuple for several outputs).
         - `inputs`: the inputs of the matching forward call.
+        - `keywords`: `batched` and `out`, where the method takes them (see the class
+          docstring).
 
         **Returns:** the input cotangent, or a tuple with one per input.
         """
         raise MissingMethodError(_missing(self, "vjp"))
 
-    def jvp(self, comm, tangent, *inputs):
+    def jvp(self, comm: Any, tangent: Any, *inputs: Any, **keywords: Any) -> Any:
         """Push an input tangent forward to the outputs on this rank (optional: it
         enables forward mode, `jax.jvp` and `jax.jacfwd`).
 
@@ -119,12 +124,14 @@ class DistributedOperator(eqx.Module):
         - `tangent`: the input tangent (a tuple for several inputs; None for integer
           inputs).
         - `inputs`: the inputs of the matching forward call.
+        - `keywords`: `batched` and `out`, where the method takes them (see the class
+          docstring).
 
         **Returns:** the output tangent, or a tuple with one per output.
         """
         raise MissingMethodError(_missing(self, "jvp"))
 
-    def output_spec(self, *input_specs):
+    def output_spec(self, *input_specs: Any) -> Any:
         """The shapes and dtypes of the outputs.
 
         **Arguments:**
@@ -135,7 +142,7 @@ class DistributedOperator(eqx.Module):
         """
         return input_specs[0]
 
-    def is_ordered(self):
+    def is_ordered(self) -> bool:
         """**Returns:** whether this operator's callbacks are ordered (see `ordered`)."""
         explicit = _explicit_order(self)
         if explicit is not None:
@@ -144,19 +151,19 @@ class DistributedOperator(eqx.Module):
             return False
         return _comm.private(self.comm).Get_size() > 1
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs: Any) -> Any:
         return apply(self, inputs)
 
     # An operator is an identity, not a value: fields such as numpy arrays and sparse
     # matrices are unhashable, and `jax.jit(op)` needs a hashable function.
-    def __hash__(self):
+    def __hash__(self) -> int:
         return id(self)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return self is other
 
 
-def apply(op, inputs):
+def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     """Call `op` on JAX values through one distop host-call primitive per call.
 
     **Arguments:**
@@ -200,7 +207,7 @@ def apply(op, inputs):
     return tuple(outs) if several else outs[0]
 
 
-def _explicit_order(op):
+def _explicit_order(op: DistributedOperator) -> bool | None:
     """**Returns:** the `ordered` setting of `op` or, failing that, of its class body
     (a subclass's wins), or None where neither sets it."""
     if op.ordered is not None:
@@ -212,11 +219,12 @@ def _explicit_order(op):
     return None
 
 
-def _bind(call, args):
+def _bind(call: HostCall, args: Sequence[Any]) -> list[Any]:
     """Bind the primitive; a lean call takes the session's token and moves it on."""
     if not call.lean:
         return host_call_p.bind(*args, call=call)
     session = _ffi.session()
+    assert session is not None  # (a call is lean only while a session traces)
     token, *outs = host_call_p.bind(session.token, *args, call=call)
     session.token = token
     return outs
@@ -234,18 +242,18 @@ host_call_p = Primitive("distop_host_call")
 host_call_p.multiple_results = True
 
 
-def _token_aval():
+def _token_aval() -> ShapedArray:
     return ShapedArray((), _ffi.token_dtype())
 
 
-def _abstract_eval(*args, call):
+def _abstract_eval(*args: Any, call: HostCall) -> tuple[list[ShapedArray], Any]:
     avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
     if call.lean:
         return [_token_aval()] + avals, no_effects
     return avals, ({ORDERED_IO_EFFECT} if call.ordered else no_effects)
 
 
-def _lower(*args, call):
+def _lower(*args: Any, call: HostCall) -> Any:
     """The ordered (io_callback) and unordered (pure_callback) lowerings."""
     _require_method(call)
     if call.ordered:
@@ -258,7 +266,7 @@ _lower_callback = mlir.lower_fun(_lower, multiple_results=True)
 _lower_ffi = jax.ffi.ffi_lowering(_ffi.TARGET)
 
 
-def _lowering(ctx, *args, call):
+def _lowering(ctx: Any, *args: Any, call: HostCall) -> Any:
     """Lean calls lower straight to the FFI custom call (no per-call tracing: a model
     with thousands of calls lowers in time linear in their number)."""
     if not call.lean:
@@ -273,13 +281,14 @@ def _lowering(ctx, *args, call):
     return _lower_ffi(ctx, *args, call_id=np.int64(call.ffi_id))
 
 
-def _require_method(call):
+def _require_method(call: HostCall) -> None:
     if call.phase in ("jvp", "vjp") and getattr(type(call.op), call.phase) is getattr(
             DistributedOperator, call.phase):
         raise MissingMethodError(_missing(call.op, call.phase))
 
 
-def _jvp(primals, tangents, *, call):
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
+         call: HostCall) -> tuple[list[Any], list[Any]]:
     if call.lean:  # the token has no tangent
         token, primals, tangents = primals[0], primals[1:], tangents[1:]
     if call.phase != "forward":  # linear in its (co)tangents; constant in the inputs
@@ -296,7 +305,8 @@ def _jvp(primals, tangents, *, call):
     return outs, _tangents_out(call, outs[0] if call.lean else None, primals, tangents)
 
 
-def _tangents_out(call, token, inputs, tangents):
+def _tangents_out(call: HostCall, token: Any, inputs: Sequence[Any],
+                  tangents: Sequence[Any]) -> list[Any]:
     """The output tangents of a forward call (on the lean path the token's, a zero,
     first): its `jvp` call on the inputs' `tangents`, given the `inputs` and (lean) the
     `token` after the call. The jvp call reads the chain's token but does not extend
@@ -312,7 +322,8 @@ def _tangents_out(call, token, inputs, tangents):
     return [ad.Zero(_token_aval().to_tangent_aval())] + out if call.lean else out
 
 
-def _linearize(is_vjp, nonzeros, *primals, call):
+def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any,
+               call: HostCall) -> tuple[Any, ...]:
     """Linearization of a forward call, made of the same two calls as `_jvp`: the call
     itself, and its `jvp` call on the tangents as the linear part. (JAX's default
     derives this from `_jvp` by partial evaluation, call by call: most of the time
@@ -323,7 +334,7 @@ def _linearize(is_vjp, nonzeros, *primals, call):
     # what the jvp call reads: (lean) the token after the call, and the inputs
     residuals = (outs[0], *primals[1:]) if call.lean else primals
 
-    def linearized(residuals, *tangents):
+    def linearized(residuals: Sequence[Any], *tangents: Any) -> list[Any]:
         if STRUCTURED_RESIDUALS:
             tangents = tangents[1:]  # (none here)
         if call.lean:  # the token has no tangent
@@ -336,7 +347,7 @@ def _linearize(is_vjp, nonzeros, *primals, call):
     return outs, nonzero_out, residuals, linearized
 
 
-def _transpose(cts, *args, call):
+def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
     if call.phase == "forward":
         raise NotImplementedError(f"{call.where} is not linear")
     if call.lean:
@@ -359,7 +370,8 @@ def _transpose(cts, *args, call):
     return [None] + results if call.lean else results
 
 
-def _batch(args, dims, *, call):
+def _batch(args: Sequence[Any], dims: Sequence[int | None], *,
+           call: HostCall) -> tuple[list[Any], list[int | None]]:
     if call.lean:
         if dims[0] is not None:
             raise NotImplementedError(f"{call.where}: a batched token")
@@ -376,11 +388,11 @@ def _batch(args, dims, *, call):
     return outs, [0] * len(outs)
 
 
-def _diff(specs):
+def _diff(specs: Sequence[jax.ShapeDtypeStruct]) -> list[int]:
     return [i for i, s in enumerate(specs) if inexact_spec(s)]
 
 
-def _missing(op, phase):
+def _missing(op: DistributedOperator, phase: str) -> str:
     mode = ("forward mode (jax.jvp, jacfwd)" if phase == "jvp"
             else "reverse mode (grad, vjp, jacrev, compute_totals)")
     return (f"{type(op).__name__} does not implement {phase}(self, comm, "
@@ -388,7 +400,7 @@ def _missing(op, phase):
 
 
 host_call_p.def_effectful_abstract_eval(_abstract_eval)
-def _impl(*args, call):
+def _impl(*args: Any, call: HostCall) -> list[jax.Array]:
     """Outside jit: call the host directly, in Python's own order (a missing method
     raises here, on every rank, before its call runs)."""
     _require_method(call)

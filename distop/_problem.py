@@ -8,7 +8,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -22,18 +22,23 @@ from ._inputs import empty
 from ._layout import Layout
 from ._programs import Programs
 from ._schedule import ScheduleEntry
-from ._tracing import TotalsOptions
+from ._tracing import FDOptions, TotalsOptions
 
 __all__ = ["MODES", "Problem", "empty"]
 
 Names = str | Iterable[str] | None  # what `of` and `wrt` take
 
 
-def _one_at_a_time(method: Callable) -> Callable:
+Arguments = ParamSpec("Arguments")
+Result = TypeVar("Result")
+
+
+def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
+                   ) -> Callable[Concatenate["Problem", Arguments], Result]:
     """`method` under its Problem's lock: threads calling one Problem take turns, each
     call whole (its agreement, programs, point and token are the Problem's own)."""
     @functools.wraps(method)
-    def locked(self, *args, **kwargs):
+    def locked(self: "Problem", *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
@@ -83,7 +88,7 @@ class Problem:
     `input_names`, `output_names`, `distributed`.
     """
 
-    def __init__(self, model: Callable[..., dict], inputs: dict[str, Any], *,
+    def __init__(self, model: Callable[..., dict[str, Any]], inputs: dict[str, Any], *,
                  comm: Any = None, distributed: str | Iterable[str] = (),
                  check_replicated: bool = False, backend: str | None = None,
                  fuse: bool | None = None, copy: bool | None = True) -> None:
@@ -194,7 +199,7 @@ class Problem:
         (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag`
         of it as two outputs for both parts.
         """
-        def attempt():
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], dict[str, Any] | None]:
             layout, names, ins = self._totals_request("compute_totals", self._point, of,
                                                       wrt, mode, return_format)
             if not names or not ins:
@@ -230,7 +235,7 @@ class Problem:
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
                                self._point, self.copy, keywords=False)
 
-        def attempt():
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], dict[Any, Any]]:
             layout, names, ins = self._totals_request("run_and_compute_totals", point, of,
                                                       wrt, mode, return_format, refused)
             if not names or not ins:  # nothing to differentiate: `run`'s program
@@ -289,7 +294,7 @@ class Problem:
         wrt = check_names("check_totals", "wrt", wrt, self.input_names,
                           layout.differentiable["inputs"])
 
-        def perturbed(options, deltas):
+        def perturbed(options: FDOptions, deltas: dict[str, np.ndarray]) -> dict[str, Any]:
             program = self._programs.program("fd", options, layout,
                                              make_extra=lambda: (deltas,))
             return self._executor(program, point)
@@ -302,9 +307,9 @@ class Problem:
                                     show_only_incorrect=show_only_incorrect)
 
 
-    def _totals_request(self, method: str, point: dict, of: Names, wrt: Names, mode: str,
+    def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,
                         return_format: str, refused: BaseException | None = None,
-                        ) -> tuple[Layout, tuple, tuple]:
+                        ) -> tuple[Layout, tuple[str, ...], tuple[str, ...]]:
         """Agree on a request for totals at `point` and check its arguments.
 
         **Returns:** (the `Layout`, the `of` names, the `wrt` names)."""

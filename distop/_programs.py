@@ -7,11 +7,13 @@ import gc
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from . import _comm, _ffi, _safety, _schedule
+from ._calls.host import HostCall
 from ._compat import x64_enabled
 from ._config import settings
 from ._coordinator import Coordinator
@@ -20,7 +22,24 @@ from ._layout import Layout, TracingInputs, seeds, unit_seeds
 from ._packing import pack, unpack_plan
 from ._passes import pipeline
 from ._passes.jaxprs import lean_calls
-from ._tracing import build
+from ._schedule import ScheduleEntry
+from ._tracing import FDOptions, TotalsOptions, build
+
+Options = TotalsOptions | FDOptions | tuple[()]  # what selects an entry point's program
+
+
+class Traced(NamedTuple):
+    """An entry point's program as `Programs.trace` makes it.
+
+    Fields: `fn` (the jitted function), `outputs` (name -> (shape, dtype) of its results
+    before packing), `closed` (the program before segments: its schedule), `calls` (the
+    lean calls as traced, in chain order, or None: see `_schedule.extract`).
+    """
+
+    fn: Callable[..., Any]
+    outputs: pipeline.Outputs
+    closed: ClosedJaxpr
+    calls: tuple[HostCall, ...] | None
 
 
 @dataclasses.dataclass
@@ -28,25 +47,25 @@ class Program:
     """A compiled entry point: the jitted function, its schedule, and the fixed
     arguments after the point (built on first use: they may be large)."""
 
-    fn: Any
-    schedule: tuple
-    outputs: dict  # name -> (shape, dtype) of the program's results, before packing
-    make_extra: Callable[[], tuple] = tuple
-    checker: Any = None
+    fn: Callable[..., Any]
+    schedule: tuple[ScheduleEntry, ...]
+    outputs: pipeline.Outputs  # of the program's results, before packing
+    make_extra: Callable[[], tuple[Any, ...]] = tuple
+    checker: _safety.Checker | None = None
     calls: int = 0  # lean host calls per run: each adds one to the token
     ahead: bool = False  # whether its first host call may make the ranks' agreement
-    _extra: tuple | None = None
-    _plan: tuple | None = None
+    _extra: tuple[Any, ...] | None = None
+    _plan: tuple[Any, ...] | None = None
 
     @property
-    def plan(self) -> tuple:
+    def plan(self) -> tuple[Any, ...]:
         """How the results unpack (see `unpack_plan`), made once."""
         if self._plan is None:
             self._plan = unpack_plan(self.outputs)
         return self._plan
 
     @property
-    def extra(self) -> tuple:
+    def extra(self) -> tuple[Any, ...]:
         """The arguments after the point, on the device, made once."""
         if self._extra is None:
             self._extra = jax.device_put(self.make_extra())
@@ -66,21 +85,25 @@ class Programs:
       the same calls in the same order).
     """
 
-    def __init__(self, model, coordinator: Coordinator, backend: str, fuse: bool,
-                 size: int) -> None:
+    def __init__(self, model: Callable[..., Any], coordinator: Coordinator, backend: str,
+                 fuse: bool, size: int) -> None:
         self.model = model
         self.coordinator = coordinator
         self.comm = coordinator.comm
         self.distributed = coordinator.distributed
         self.backend, self.fuse, self.size = backend, fuse, size
         self.x64 = x64_enabled()  # the precision its programs are traced in
-        self.layouts: dict = {}  # (shapes, block sizes) -> Layout, least recently used first
-        self.programs: dict = {}  # (entry point, options, id(layout)) -> Program
-        self._traced_run = None  # (inputs, traced run program) of the newest layout
+        # (shapes, block sizes) -> Layout, least recently used first
+        self.layouts: dict[tuple[Any, ...], Layout] = {}
+        # (entry point, options, id(layout)) -> Program
+        self.programs: dict[tuple[str, Options, int], Program] = {}
+        # (inputs, traced run program) of the newest layout
+        self._traced_run: tuple[dict[str, jax.ShapeDtypeStruct], Traced] | None = None
         self._warned_loop = False
 
-    def layout(self, point: dict, request: tuple, refused: BaseException | None = None,
-               ahead: bool = False, current: dict | None = None) -> Layout:
+    def layout(self, point: dict[str, Any], request: tuple[Any, ...],
+               refused: BaseException | None = None, ahead: bool = False,
+               current: dict[str, Any] | None = None) -> Layout:
         """Agree with every rank on the request (the entry point and its arguments) and
         the shapes of `point` (one small collective per call), and return its `Layout`
         (traced once per new shapes, on every rank).
@@ -118,20 +141,20 @@ class Programs:
         self.layouts[key] = layout  # (the most recently used, last)
         return layout
 
-    def _evict(self, key: tuple) -> None:
+    def _evict(self, key: tuple[Any, ...]) -> None:
         """Forget the layout of `key`, its programs, and the agreements made for it."""
         gone = id(self.layouts.pop(key))
         for found in [k for k in self.programs if k[2] == gone]:
             del self.programs[found]
         self.coordinator.forget(key[0])
 
-    def _new_layout(self, point, counts):
+    def _new_layout(self, point: dict[str, Any], counts: dict[str, tuple[int, ...]]) -> Layout:
         """The `Layout` of a point with new shapes (traces the model, on every rank)."""
         inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
         # The run program, traced now: its outputs are the layout's (one trace of the
         # model serves both), and `_program` takes it over once the layout exists.
         run = self.trace("run", (), TracingInputs(inputs), (), True)
-        outputs = {k: jax.ShapeDtypeStruct(*run[1][k]) for k in sorted(run[1])}
+        outputs = {k: jax.ShapeDtypeStruct(*run.outputs[k]) for k in sorted(run.outputs)}
         self._traced_run = (inputs, run)
         if self.comm.Get_size() == 1:
             counts.update({k: (s.shape[0],) for k, s in outputs.items()
@@ -155,7 +178,8 @@ class Programs:
                                   "rank holds a block of it.")
         return Layout(inputs, outputs, counts)
 
-    def program(self, name, options, layout, make_extra=tuple):
+    def program(self, name: str, options: Options, layout: Layout,
+                make_extra: Callable[[], tuple[Any, ...]] = tuple) -> Program:
         """The jitted program of an entry point for `layout`, traced, checked and agreed
         by every rank the first time it is needed.
 
@@ -173,12 +197,13 @@ class Programs:
                 found = self._new_program(key, name, options, layout, make_extra)
         return found
 
-    def _new_program(self, key, name, options, layout, make_extra):
+    def _new_program(self, key: tuple[str, Options, int], name: str, options: Options,
+                     layout: Layout, make_extra: Callable[[], tuple[Any, ...]]) -> Program:
         """Trace, rewrite and agree on a program not built before (see `program`)."""
-        if name == "compute_totals":
+        if isinstance(options, TotalsOptions):  # (compute_totals)
             rank = self.comm.Get_rank()
 
-            def make_extra():
+            def make_extra() -> tuple[Any, ...]:
                 return seeds(options.of, layout, rank)
             specs = seeds(options.of, layout, rank, specs_only=True)
         else:
@@ -199,7 +224,8 @@ class Programs:
             # perturbations one after another instead, in a loop.
             if not self._warned_loop:
                 self._warned_loop = True
-                entry = "run_and_compute_totals" if options.with_values else name
+                entry = ("run_and_compute_totals" if isinstance(options, TotalsOptions)
+                         and options.with_values else name)
                 warnings.warn(f"{entry}: the model has an operator inside lax.cond (or "
                               "another construct jax cannot vmap with ordered "
                               "callbacks), so seeds and finite-difference perturbations "
@@ -226,7 +252,8 @@ class Programs:
         weakref.finalize(found, _ffi.release, calls)
         return found
 
-    def trace(self, name, options, layout, specs, vectorize):
+    def trace(self, name: str, options: Options, layout: Layout | TracingInputs, specs: Any,
+              vectorize: bool) -> Traced:
         """Trace an entry point's program, on the lean path if the backend says so and
         the program allows it on every rank (its lean calls form one token chain), else
         with ordered `io_callback`s. The lean program is rewritten alike on every rank
@@ -242,19 +269,27 @@ class Programs:
                 # transformation (UnexpectedTracerError). Any genuine error of the model
                 # comes back from the io_callback trace below.
                 found = None
-            units = (unit_seeds(options.of, layout, self.distributed, self.comm.Get_size())
-                     if name == "compute_totals" else ())
+            units: tuple[int, ...] = ()
+            if isinstance(options, TotalsOptions):  # (compute_totals)
+                assert isinstance(layout, Layout)  # (only `run` is traced before its layout)
+                units = unit_seeds(options.of, layout, self.distributed, self.comm.Get_size())
             lean = pipeline.lean_program(name, found, exchange=self.coordinator.agree,
                                          unit_seeds=units, fuse=self.fuse,
                                          inputs=layout.inputs, specs=specs)
             if lean is not None:
-                return (*lean, lean_calls(found[2].jaxpr))
-        return (*self._trace_with(name, options, layout, specs, vectorize, False), None)
+                assert found is not None  # (a lean program is made of what was traced)
+                calls = lean_calls(found[2].jaxpr)
+                traced = tuple(c for c in calls if isinstance(c, HostCall))
+                assert len(traced) == len(calls)  # (as traced: none fused or rolled)
+                return Traced(*lean, traced)
+        return Traced(*self._trace_with(name, options, layout, specs, vectorize, False), None)
 
-    def _trace_with(self, name, options, layout, specs, vectorize, lean):
-        body, outputs = build(self.model, name, options, layout, vectorize), {}
+    def _trace_with(self, name: str, options: Options, layout: Layout | TracingInputs,
+                    specs: Any, vectorize: bool, lean: bool) -> pipeline.Found:
+        body = build(self.model, name, options, layout, vectorize)
+        outputs: pipeline.Outputs = {}
 
-        def packed(token, *args):
+        def packed(token: Any, *args: Any) -> tuple[Any, ...]:
             if lean:
                 with _ffi.tracing(token) as session:
                     values = body(*args)
@@ -290,7 +325,7 @@ def collector_paused() -> Iterator[None]:
 NOT_AHEAD = ("while", "pure_callback", "ffi_call")  # (see `Program.ahead`)
 
 
-def not_ahead(eqn) -> bool:
+def not_ahead(eqn: JaxprEqn) -> bool:
     """Whether `eqn` keeps its program from making the agreement in its first host call
     (see `Programs._new_program`)."""
     return eqn.primitive.name in NOT_AHEAD or (

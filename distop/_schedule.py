@@ -7,8 +7,12 @@ order, including those inside loops and branches), so it is exactly what will ru
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.stages import Traced
 
 from ._calls.fused import FusedCall
 from ._calls.host import HostCall
@@ -53,16 +57,16 @@ class ScheduleEntry:
     made: bool = True
 
     @property
-    def shapes(self):
+    def shapes(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
         """**Returns:** `(input_shapes, output_shapes)`."""
         return self.input_shapes, self.output_shapes
 
     @property
-    def dtypes(self):
+    def dtypes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """**Returns:** `(input_dtypes, output_dtypes)`."""
         return self.input_dtypes, self.output_dtypes
 
-    def describe(self):
+    def describe(self) -> str:
         """**Returns:** a one-line, rank-independent description (no index)."""
         ins = _arrays(self.input_shapes, self.input_dtypes, self.input_distributed)
         outs = _arrays(self.output_shapes, self.output_dtypes, self.output_distributed)
@@ -73,13 +77,19 @@ class ScheduleEntry:
                 + ("" if self.made else " not made: its results are unused"))
 
 
-def _arrays(shapes, dtypes, distributed):
+def _arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
+            distributed: Sequence[bool]) -> str:
     distributed = distributed or (False,) * len(shapes)
     return ", ".join(f"{d}[{', '.join(map(str, s))}{' distributed' if dist else ''}]"
                      for s, d, dist in zip(shapes, dtypes, distributed))
 
 
-def extract(closed_jaxpr, traced=None):
+Found = tuple[HostCall, str, int]  # a call in a program: (call, context, group)
+Row = tuple[HostCall, str, int, bool]  # a call of a schedule: (..., whether it is made)
+
+
+def extract(closed_jaxpr: ClosedJaxpr,
+            traced: Sequence[HostCall] | None = None) -> tuple[ScheduleEntry, ...]:
     """The schedule of a traced program.
 
     **Arguments:**
@@ -90,21 +100,21 @@ def extract(closed_jaxpr, traced=None):
 
     **Returns:** a tuple of `ScheduleEntry`, in program order.
     """
-    found = []  # (call, context, group)
+    found: list[Found] = []
     _walk(closed_jaxpr, "", found, [0])
-    rows = found if traced is None else _with_unmade(found, traced)
+    rows: Sequence[Found | Row] = found if traced is None else _with_unmade(found, traced)
     return tuple(_entry(i, *row) for i, row in enumerate(rows))
 
 
 _CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, by version
 
 
-def refuse_checkpoint(traced):
+def refuse_checkpoint(traced: Traced) -> Traced:
     """**Returns:** `traced` (from `jit(...).trace`), unless an operator is called inside
     `jax.checkpoint`: in a reverse sweep JAX would call it again, collectives and all.
 
     **Raises:** `DistopError` naming the operator."""
-    found = []  # (call, context, group), as `extract` finds them
+    found: list[Found] = []  # as `extract` finds them
     _walk(traced.jaxpr, "", found, [0])
     for call, context, _ in found:
         if "checkpoint" in context.replace(".", "/").split("/"):
@@ -117,12 +127,13 @@ def refuse_checkpoint(traced):
     return traced
 
 
-def _with_unmade(found, traced):
+def _with_unmade(found: Sequence[Found], traced: Sequence[HostCall]) -> list[Row]:
     """The calls `found` in the program, as (call, context, group, made), with the
     `traced` lean calls the program does not make, in chain order, each before the next
     lean call made."""
     position = {id(call): j for j, call in enumerate(traced)}
-    out, done = [], 0
+    out: list[Row] = []
+    done = 0
     for call, context, group in found:
         j = position.get(id(call.origin or call))
         if j is not None:  # the lean calls made come in chain order
@@ -134,12 +145,13 @@ def _with_unmade(found, traced):
     return out
 
 
-def _walk(jaxpr, context, found, calls):
+def _walk(jaxpr: Jaxpr | ClosedJaxpr, context: str, found: list[Found],
+          calls: list[int]) -> None:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         call = eqn.params.get("call")
         if isinstance(call, (HostCall, FusedCall)):
-            for member in getattr(call, "members", (call,)):
+            for member in call.members if isinstance(call, FusedCall) else (call,):
                 found.append((member, context, calls[0]))
             calls[0] += 1
             continue
@@ -162,7 +174,8 @@ def _walk(jaxpr, context, found, calls):
                     _walk(j, where, found, calls)
 
 
-def _entry(index, call, context, group, made=True):
+def _entry(index: int, call: HostCall, context: str, group: int,
+           made: bool = True) -> ScheduleEntry:
     op = call.op
     inputs = call.in_specs
     return ScheduleEntry(
@@ -184,18 +197,18 @@ def _entry(index, call, context, group, made=True):
 
 
 @functools.cache
-def _name(dtype):
+def _name(dtype: Any) -> str:
     return str(np.dtype(dtype))
 
 
-def fingerprint(name, entries):
+def fingerprint(name: str, entries: Sequence[ScheduleEntry]) -> int:
     """**Returns:** a 63-bit integer that identifies the schedule `entries` of `name` up
     to every array's axis 0 (which may differ between ranks)."""
     text = repr((name, [_key(e) for e in entries]))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def _key(entry):
+def _key(entry: ScheduleEntry) -> tuple[Any, ...]:
     """**Returns:** every field of `entry` but its index, as plain values, without the
     arrays' axis 0."""
     return (entry.operator, entry.phase, entry.collectives, _tails(entry.input_shapes),
@@ -204,7 +217,7 @@ def _key(entry):
             entry.output_distributed, entry.lean, entry.group, entry.made)
 
 
-def _replaced(entry, **changes):
+def _replaced(entry: ScheduleEntry, **changes: Any) -> ScheduleEntry:
     """`dataclasses.replace(entry, **changes)` without its per-field introspection
     (tens of µs per entry; a schedule can have thousands)."""
     new = object.__new__(ScheduleEntry)
@@ -212,7 +225,8 @@ def _replaced(entry, **changes):
     return new
 
 
-def agree(comm, name, entries):
+def agree(comm: Any, name: str,
+          entries: tuple[ScheduleEntry, ...]) -> tuple[ScheduleEntry, ...]:
     """Check that every rank compiled the same schedule, up to distributed axes.
 
     One collective: the ranks exchange a fingerprint of their schedule with every
@@ -253,11 +267,11 @@ def agree(comm, name, entries):
     return tuple(out)
 
 
-def _tails(shapes):
+def _tails(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[Any, ...], ...]:
     return tuple(s[1:] if s else ("0-d",) for s in shapes)
 
 
-def _mismatch(comm, name, entries):
+def _mismatch(comm: Any, name: str, entries: Sequence[ScheduleEntry]) -> NoReturn:
     every = comm.allgather([(repr(_key(e)), e.describe()) for e in entries])
     lines = [f"{name}: the ranks compiled different collective schedules, so their "
              "collectives would meet the wrong partners."]

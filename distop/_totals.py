@@ -14,8 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import DerivativeCheckError, DistopError
+from ._layout import Layout
 from ._runtime import world
 from ._tracing import FDOptions
+
+Say = Callable[[str], None]  # prints a line (on rank 0), or nothing
+Blocks = dict[tuple[str, str], np.ndarray]  # (of, wrt) -> 2-D array
 
 FORMS = {"central": (1.0, -1.0), "forward": (1.0,), "backward": (-1.0,)}
 
@@ -35,11 +39,11 @@ class TotalsCheck:
     abs_error: float
     rel_error: float
     ok: bool
-    inconsistent_ranks: list
+    inconsistent_ranks: list[int]
 
 
-def assemble(comm: Any, layout: Any, cts: dict, of: tuple, wrt: tuple,
-             return_format: str) -> dict:
+def assemble(comm: Any, layout: Layout, cts: dict[str, Any], of: tuple[str, ...],
+             wrt: tuple[str, ...], return_format: str) -> Blocks:
     """Cut the batched cotangents of a reverse pass into `(of, wrt)` blocks.
 
     **Arguments:**
@@ -57,7 +61,7 @@ def assemble(comm: Any, layout: Any, cts: dict, of: tuple, wrt: tuple,
     local = [] if return_format != "local" else [  # this rank's rows of a distributed `of`
         (o, offsets[i]) + layout.local_rows(o, rank) for i, o in enumerate(of)
         if o in layout.counts]
-    totals = {}
+    totals: Blocks = {}
     for w in wrt:
         block = cts[w].reshape(offsets[-1], -1)
         if w in layout.counts and return_format == "global":
@@ -70,7 +74,7 @@ def assemble(comm: Any, layout: Any, cts: dict, of: tuple, wrt: tuple,
     return totals
 
 
-def _flat_counts(layout, name):
+def _flat_counts(layout: Layout, name: str) -> list[int]:
     spec = layout.spec(name)
     tail = int(np.prod(spec.shape[1:]))
     return [c * tail for c in layout.counts[name]]
@@ -98,7 +102,7 @@ def gather_rows(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
     return recv
 
 
-def _canonical(array):
+def _canonical(array: Any) -> np.ndarray:
     """`array` with every NaN made one NaN and every negative zero a zero: values that
     compare equal then have equal bytes."""
     a = np.asarray(array)
@@ -109,13 +113,13 @@ def _canonical(array):
     return np.where(np.isnan(a), np.nan, a + 0.0)  # (-0.0 + 0.0 is 0.0)
 
 
-def _digest(array):
+def _digest(array: Any) -> str:
     """A short hash of `array`'s values and shape, equal for arrays of equal values."""
     a = np.ascontiguousarray(_canonical(array))
     return hashlib.sha256(a.tobytes() + str(a.shape).encode()).hexdigest()[:16]
 
 
-def _difference(mine, ref):
+def _difference(mine: Any, ref: Any) -> str | None:
     """**Returns:** how `mine` differs from `ref` in words, or None where their values
     are equal (NaN equal to NaN, 0.0 to -0.0)."""
     mine, ref = np.asarray(mine), np.asarray(ref)
@@ -139,7 +143,8 @@ def _difference(mine, ref):
                 f"{tuple(map(int, i))}: {mine[i]} against {ref[i]})")
 
 
-def check_replicated(comm: Any, distributed: frozenset, values: dict, where: str) -> None:
+def check_replicated(comm: Any, distributed: frozenset[str], values: dict[str, Any],
+                     where: str) -> None:
     """Raise on every rank if a replicated value differs between ranks.
 
     Values are compared, not bytes: NaN equals NaN and 0.0 equals -0.0.
@@ -173,7 +178,7 @@ class _Stdout:
     """`check_totals`'s default stream: `sys.stdout` as it is when called, not as it was
     at import (a redirection, or pytest's capture, replaces it)."""
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "sys.stdout"
 
 
@@ -218,12 +223,12 @@ class Evaluations:
     """
 
     comm: Any
-    distributed: frozenset
-    layout: Any
-    point: dict
-    run: Callable[[], dict]
-    compute_totals: Callable[..., dict]
-    perturbed: Callable[[FDOptions, dict], dict]
+    distributed: frozenset[str]
+    layout: Layout
+    point: dict[str, Any]
+    run: Callable[[], dict[str, Any]]
+    compute_totals: Callable[..., Blocks]
+    perturbed: Callable[[FDOptions, dict[str, np.ndarray]], dict[str, Any]]
 
 
 def check_options(method: str, form: str, step: float, atol: float,
@@ -242,14 +247,15 @@ def check_options(method: str, form: str, step: float, atol: float,
     return float(step), float(atol), float(rtol)  # (a Fraction, say)
 
 
-def check_totals(evaluations: Evaluations, of: tuple, wrt: tuple, *, form: str, step: float,
-                 atol: float, rtol: float, out_stream: Any, raise_on_error: bool,
-                 show_only_incorrect: bool) -> dict:
+def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...], *,
+                 form: str, step: float, atol: float, rtol: float, out_stream: Any,
+                 raise_on_error: bool,
+                 show_only_incorrect: bool) -> dict[tuple[str, str], TotalsCheck]:
     """See `Problem.check_totals`: `of`, `wrt` and the options checked already."""
     if out_stream is STDOUT:
         out_stream = sys.stdout
     comm, rank, layout = evaluations.comm, evaluations.comm.Get_rank(), evaluations.layout
-    say = (lambda text: print(text, file=out_stream, flush=True)) if (
+    say: Say = (lambda text: print(text, file=out_stream, flush=True)) if (
         out_stream is not None and rank == 0) else (lambda text: None)
     if not of or not wrt:
         say("check_totals: nothing to check (no floating-point outputs or inputs)")
@@ -264,7 +270,7 @@ def check_totals(evaluations: Evaluations, of: tuple, wrt: tuple, *, form: str, 
         say(f"check_totals: derivatives computed in {time.perf_counter() - started:.1f} s; "
             "comparing on every rank")
 
-    results = {}
+    results: dict[tuple[str, str], TotalsCheck] = {}
     keys = [(o, w) for o in of for w in wrt]
     every = comm.allgather([_digest(J[k]) + _digest(J_fd[k]) for k in keys])
     with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
@@ -297,7 +303,8 @@ def check_totals(evaluations: Evaluations, of: tuple, wrt: tuple, *, form: str, 
     return results
 
 
-def _say_precision(layout, of, wrt, form, step, rtol, say):
+def _say_precision(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...], form: str,
+                   step: float, rtol: float, say: Say) -> None:
     """Tell where `rtol` asks for less error than finite differences of this form, at
     this step and in the values' precision, make (about eps/step for the rounding plus
     step (one-sided) or step**2 (central) for the truncation, for values and derivatives
@@ -317,7 +324,8 @@ def _say_precision(layout, of, wrt, form, step, rtol, say):
             f"near step={best_step:.0e}. Pass step= and rtol= to suit.")
 
 
-def _finite_differences(evaluations, of, wrt, form, step, say):
+def _finite_differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...],
+                        form: str, step: float, say: Say) -> Blocks:
     """All perturbations of all `wrt` entries as one batched program call.
 
     The derivatives are those `compute_totals` gives, in JAX's convention: of an
@@ -332,7 +340,7 @@ def _finite_differences(evaluations, of, wrt, form, step, say):
             for w in wrt]
     offsets = np.cumsum([0] + [size * len(a) for size, a in zip(sizes, axes)])
     n = offsets[-1]
-    deltas = {}
+    deltas: dict[str, np.ndarray] = {}
     for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
         spec = layout.inputs[w]
         delta = np.zeros((len(signs) * n, int(np.prod(spec.shape))), spec.dtype)
@@ -346,11 +354,11 @@ def _finite_differences(evaluations, of, wrt, form, step, say):
         say(f"check_totals: evaluating {len(signs) * n} perturbed points in one batched call")
     values = evaluations.perturbed(FDOptions(tuple(wrt), form, step), deltas)
     base = None if len(signs) == 2 else evaluations.run()
-    J_fd = {}
+    J_fd: Blocks = {}
     with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
         for o in of:
             v = values[o].reshape(len(signs) * n, -1)
-            if len(signs) == 2:
+            if base is None:  # (central differences)
                 d = (v[:n] - v[n:]) / (2 * step)
             else:
                 d = signs[0] * (v - base[o].reshape(1, -1)) / step
@@ -366,7 +374,8 @@ def _finite_differences(evaluations, of, wrt, form, step, say):
     return J_fd
 
 
-def _table(results, say, show_only_incorrect):
+def _table(results: dict[tuple[str, str], TotalsCheck], say: Say,
+           show_only_incorrect: bool) -> None:
     head = (f"{'of':<12} {'wrt':<12} {'shape':<12} {'|J|':>11} {'|J_fd|':>11} "
             f"{'abs error':>11} {'rel error':>11}  flag")
     say(head)

@@ -16,20 +16,20 @@ class TotalsOptions(NamedTuple):
     """What selects a totals program besides its layout."""
 
     mode: str  # "batched", "loop" or "unrolled"
-    of: tuple  # output names
-    wrt: tuple  # input names
+    of: tuple[str, ...]  # output names
+    wrt: tuple[str, ...]  # input names
     with_values: bool = False  # whether it returns the outputs' values too
 
 
 class FDOptions(NamedTuple):
     """What selects a finite-difference program besides its layout."""
 
-    wrt: tuple  # input names
+    wrt: tuple[str, ...]  # input names
     form: str  # "central", "forward" or "backward"
     step: float
 
 
-def call_model(model: Callable, point: dict) -> dict:
+def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:
     """**Returns:** the model's outputs at `point`, checked to be a dict of arrays."""
     out = model(**point)
     if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
@@ -38,11 +38,11 @@ def call_model(model: Callable, point: dict) -> dict:
     return {k: jnp.asarray(v) for k, v in out.items()}
 
 
-def build(model: Callable, name: str, options: tuple, layout: Any,
-          vectorize: bool = True) -> Callable:
+def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout: Any,
+          vectorize: bool = True) -> Callable[..., Any]:
     """The function of an entry point; `vectorize=False` replaces `vmap` over seeds
     or perturbations by a sequential loop (for models JAX cannot vmap)."""
-    def batch(fn, xs):
+    def batch(fn: Callable[[Any], Any], xs: Any) -> Any:
         if not vectorize:
             return lax.map(fn, xs)
         session = _ffi.session()
@@ -63,13 +63,13 @@ def build(model: Callable, name: str, options: tuple, layout: Any,
     if mode == "batched" and not vectorize:
         mode = "loop"
 
-    def totals(point, *packed):
+    def totals(point: dict[str, Any], *packed: Any) -> dict[Any, Any]:
         seeds = split_seeds(packed, layout)
         diff = {k: point[k] for k in diff_names}
         rest = {k: v for k, v in point.items() if k not in diff}
-        order = []  # the model's order of its outputs (jax.vjp's is sorted)
+        order: list[str] = []  # the model's order of its outputs (jax.vjp's is sorted)
 
-        def restricted(d):
+        def restricted(d: dict[str, Any]) -> dict[str, jax.Array]:
             values = call_model(model, {**rest, **d})
             order[:] = values
             return values
@@ -94,7 +94,8 @@ def build(model: Callable, name: str, options: tuple, layout: Any,
     return totals
 
 
-def pullback(fn: Callable, diff: dict) -> tuple:
+def pullback(fn: Callable[[Any], Any], diff: dict[str, Any],
+             ) -> tuple[Any, Callable[[Any], Any]]:
     """`jax.vjp(fn, diff)`: the values and the pullback; on the lean path the token
     leaves `jax.vjp` as an output of its own (with a zero cotangent), so the
     backward calls continue the forward calls' chain."""

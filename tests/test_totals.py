@@ -69,6 +69,23 @@ def test_check_totals_flags_a_wrong_vjp():
     assert issubclass(distop.DerivativeCheckError, ValueError)
 
 
+def test_check_totals_perturbs_in_a_loop_where_only_its_perturbations_cannot_vmap():
+    # The operator inside lax.cond gets no cotangent (stop_gradient): compute_totals
+    # vmaps nothing through it, the perturbations do, and run one per iteration.
+    from helpers import RowScale
+    from jax import lax
+
+    def model(x):
+        inside = lax.cond(x.sum() > 0, RowScale(2.0), lambda v: v, lax.stop_gradient(x))
+        return {"f": jnp.sum(x ** 2) + 0.0 * jnp.sum(inside)}
+
+    problem = distop.Problem(model, {"x": np.arange(3.0)})
+    with pytest.warns(UserWarning, match="^fd: the model has an operator inside lax.cond"):
+        r = problem.check_totals(out_stream=None)["f", "x"]
+    assert r.ok
+    np.testing.assert_allclose(r.J, [[0.0, 2.0, 4.0]])
+
+
 def test_check_totals_says_where_rtol_asks_more_than_finite_differences_make():
     def model(x):
         return {"y": jnp.sum(x ** 2)}

@@ -151,7 +151,8 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
     return lean
 
 
-def propose(program: ClosedJaxpr, context: Context, passes: Sequence[Pass]) -> Proposed:
+def propose(program: ClosedJaxpr, context: Context,
+            passes: Sequence[Pass[Any, Any]]) -> Proposed:
     """This rank's proposals of `passes` for `program` (see the module docstring).
 
     **Returns:** the `Proposed`.

@@ -7,17 +7,18 @@ that an error on one rank is an error on every rank and no rank waits for anothe
 
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import _safety
+from . import _comm, _safety
 from ._errors import DistopError
 
 REFUSED = "refused"  # the request a rank sends in place of arguments it refused
-_serials: dict[int, Iterator[int]] = {}  # private communicator's handle -> Problems made on it
-_widths: dict[int, int] = {}  # private communicator's handle -> its agreements' row width
+# (kept with each private communicator: freed with it, never found by a reused handle)
+_serials = _comm.PerCommunicator()  # private communicator -> count of Problems made on it
+_widths = _comm.PerCommunicator()  # private communicator -> its agreements' row width
 
 
 class Missed(Exception):
@@ -53,7 +54,7 @@ class Coordinator:
         # Which Problem on this communicator (they are made in the same order on every
         # rank, each construction agreeing across ranks): part of every request, so that
         # ranks calling two different Problems raise instead of running both.
-        self.serial = next(_serials.setdefault(self.handle, itertools.count()))
+        self.serial = next(_serials.setdefault(comm, itertools.count()))
         self._fixed: dict = {}  # (shapes, request) -> (what must agree, its hash)
         self._guesses: dict = {}  # (shapes, request) -> the block sizes agreed last time
         self._pending: CallAgreement | None = None  # the agreement a program is to make
@@ -95,7 +96,7 @@ class Coordinator:
         """Make every agreement on this communicator send rows of the largest of
         `widths` (every rank's, agreed as a Problem is made), so that ranks calling
         Problems with other numbers of distributed inputs send messages of one size."""
-        _widths[self.handle] = max(_widths.get(self.handle, 2), *widths)
+        _widths[self.comm] = max(_widths.get(self.comm, 2), *widths)
 
     def go_on_without(self, mine: str) -> bool:
         """Decide with every rank whether a failed step is left for later.
@@ -152,10 +153,10 @@ class Coordinator:
                 else None
             if guess is not None:
                 self._pending = CallAgreement(self.comm, [fixed[1], guess[1], *own],
-                                              _widths[self.handle], guess[0])
+                                              _widths[self.comm], guess[0])
                 return guess[0], True
             every = CallAgreement(self.comm, [fixed[1], -1, *own],
-                                  _widths[self.handle]).gather()
+                                  _widths[self.comm]).gather()
         if (every[:, 0] != every[0, 0]).any():
             self._differ(fixed, refused)
         counts = block_sizes(every, len(own))

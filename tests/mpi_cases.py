@@ -1252,5 +1252,82 @@ def a_halo_exchange_operator_declares_its_point_to_point_calls():
     assert all(r.ok for r in problem.check_totals(out_stream=None).values())
 
 
+def _hold_all_communicators_but(spare):
+    """Take all but `spare` of the communicators MPI can make (MPICH has 2048 context
+    ids), or 4096 if it has more.
+
+    Duplicates of `MPI.COMM_SELF` take them without communicating (a duplicate of the
+    world would cost one collective each). Where the ranks' free ids then differ (their
+    past differed), `spare` duplicates of the world do not fit: then none is held.
+
+    **Returns:** the duplicates held (free them after).
+    """
+    held = []
+    try:
+        while len(held) < 4096:
+            held.append(MPI.COMM_SELF.Dup())
+    except MPI.Exception:
+        pass
+    for c in held[len(held) - spare:]:
+        c.Free()
+    del held[len(held) - spare:]
+    trial = []
+    try:  # (every rank fails at the same one: the ranks agree on each id)
+        while len(trial) < spare:
+            trial.append(comm.Dup())
+    except MPI.Exception:
+        held, trial = held + trial, None
+    for c in held if trial is None else trial:
+        c.Free()
+    return [] if trial is None else held
+
+
+@case("core")
+def freeing_a_communicator_frees_distop_s_duplicate_of_it():
+    from distop import _comm
+
+    # With all but 16 of MPI's communicators held, one duplicate left behind per
+    # Problem would exhaust them within the loop ("Other MPI error" from MPI_Comm_dup).
+    held = _hold_all_communicators_but(16)
+    try:
+        before = _comm.live_duplicates()
+        for _ in range(40):
+            mine = comm.Dup()
+            problem = distop.Problem(lambda x: {"y": x * 2.0}, {"x": np.ones(2)}, comm=mine)
+            del problem
+            mine.Free()
+            assert _comm.live_duplicates() == before, (before, _comm.live_duplicates())
+    finally:
+        for c in held:
+            c.Free()
+    try:
+        distop.Problem(lambda x: {"y": x * 2.0}, {"x": np.ones(2)}, comm=mine)
+    except distop.DistopError as err:
+        assert "MPI.COMM_NULL" in str(err) and "free it only after" in str(err), err
+    else:
+        raise AssertionError("no error for a Problem on a freed communicator")
+
+
+@case("core")
+def what_distop_keeps_per_communicator_goes_with_it():
+    from distop import _coordinator
+
+    # a Problem with more distributed inputs widens every agreement on its communicator;
+    # a later communicator (which may get the freed one's handle) starts afresh
+    first = comm.Dup()
+    wide = distop.Problem(lambda a, b: {"s": distop.AllreduceSum()(jnp.sum(a) + jnp.sum(b))},
+                          {"a": np.ones(1 + rank), "b": np.ones(2)}, distributed=["a", "b"],
+                          comm=first)
+    assert _coordinator._widths[wide.comm] == 4 and wide._coordinator.serial == 0
+    assert wide.run()["s"] == sum(3 + r for r in range(size))
+    first.Free()
+    second = comm.Dup()
+    narrow = distop.Problem(lambda x: {"s": distop.AllreduceSum()(jnp.sum(x))},
+                            {"x": np.ones(2)}, comm=second)
+    assert _coordinator._widths[narrow.comm] == 2 and narrow._coordinator.serial == 0
+    assert narrow.run()["s"] == 2.0 * size
+    second.Free()
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

@@ -89,6 +89,9 @@ def main(scenario):
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()
+    elif scenario == "every_rank_raises":  # (the same mistake on every rank)
+        distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x}).run()
+        raise ValueError("no input named 'x3'")
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     print(f"rank {comm.rank}: scenario {scenario} finished without an error", flush=True)

@@ -52,6 +52,42 @@ def test_failure_ends_every_rank_with_a_clear_message(scenario, checking, expect
         assert any(w in out for w in ("Flaky.forward", "agreeing", "duplicating")), out
 
 
+REPORTS = [  # (scenario, checking mode, the user's line that raised, what other ranks say)
+    ("vjp_raises", False, 'raise RuntimeError("singular block")',
+     "distop: rank {r} of {n} stopped: rank {bad} failed in Flaky.vjp (see its traceback)."),
+    ("forward_raises", True, 'raise RuntimeError("disk quota exceeded")',
+     ("distop: rank {r} of {n} stopped: rank {bad} failed in Flaky.forward (see its "
+      "traceback).")),
+    ("every_rank_raises", False, "raise ValueError(\"no input named 'x3'\")",
+     ("distop: rank {r} of {n} stopped: it raised ValueError, as rank 0 did (see rank 0's "
+      "traceback).")),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario, checking, raised, stopped", REPORTS,
+                         ids=[f"{s}{'-checking' if c else ''}" for s, c, _, _ in REPORTS])
+def test_a_failure_is_reported_once_and_every_other_rank_says_why_it_stops(
+        scenario, checking, raised, stopped):
+    n = 4
+    env = {"DISTOP_WATCHDOG": "8", "DISTOP_CHECK_COLLECTIVES": "1" if checking else "0"}
+    code, out = run_mpi(n, TESTS / "mpi_failures.py", scenario, timeout=90,
+                        expect_ok=False, env=env)
+    assert code != 0, out
+    bad = 0 if scenario == "every_rank_raises" else n - 1
+    assert out.count(raised) == 1, out  # (the user's frame, in one traceback)
+    for r in set(range(n)) - {bad}:
+        assert out.count(stopped.format(r=r, n=n, bad=bad)) == 1, out
+    assert out.count("distop: rank ") == n - 1, out  # (nothing else from the others)
+    if not checking:  # (the checking mode also prints the failing call as it fails)
+        assert out.count("Traceback (most recent call last)") == 1, out
+        assert f'File "{ROOT / "distop"}' not in out, out  # (distop's frames left out)
+    lines = [line for line in out.splitlines() if line.strip()]
+    repeated = {line for line in lines if lines.count(line) > 1
+                and not line.lstrip().startswith(("Traceback", "File ", "[", "^"))}
+    assert not repeated, out
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("script, args", [("mpi_cases.py", ("core",)),
                                           ("mpi_distributed.py", ())])

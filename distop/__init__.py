@@ -19,6 +19,7 @@ from ._errors import MPIUnavailableError as MPIUnavailableError
 from ._errors import OperatorError as OperatorError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._errors import SecondDerivativeError as SecondDerivativeError
+from ._implicit import ImplicitOperator as ImplicitOperator
 from ._operator import DistributedOperator as DistributedOperator
 from ._problem import Problem as Problem
 from ._problem import empty as empty

@@ -35,7 +35,6 @@ POINT_TO_POINT = frozenset("""
 """.split())
 COMMUNICATING = COLLECTIVE | POINT_TO_POINT
 _KNOWN = {name.lower(): name for name in COMMUNICATING}
-PHASES = ("forward", "vjp", "jvp")
 
 
 def check_declarations(cls: type) -> None:
@@ -44,8 +43,8 @@ def check_declarations(cls: type) -> None:
     **Raises:** TypeError naming the class, the attribute and the name that is not a
     communicating method of mpi4py's communicators (with the nearest one).
     """
-    for phase in PHASES:
-        attribute = f"{phase}_collectives"
+    attributes = sorted(a for a in dir(cls) if a.endswith("_collectives"))
+    for attribute in attributes:
         declared = getattr(cls, attribute, ())
         if isinstance(declared, str) or not isinstance(declared, (tuple, list, frozenset,
                                                                   set)):

@@ -144,7 +144,7 @@ class DistributedOperator(eqx.Module):
 
     def is_ordered(self) -> bool:
         """**Returns:** whether this operator's callbacks are ordered (see `ordered`)."""
-        explicit = _explicit_order(self)
+        explicit = explicit_order(self)
         if explicit is not None:
             return explicit
         if not (self.forward_collectives or self.vjp_collectives or self.jvp_collectives):
@@ -200,14 +200,14 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     # ordered by the token, and fusable. (Even where nothing needs ordering, in one
     # process or for a purely local operator: XLA would run independent unordered
     # callbacks on several threads at once, which then wait for each other's GIL.)
-    lean = _ffi.session() is not None and _explicit_order(op) is not False
+    lean = _ffi.session() is not None and explicit_order(op) is not False
     call = HostCall(op, "forward", _comm.private(op.comm), ordered or lean, in_specs,
                     out_specs, lean=lean)
     outs = _bind(call, arrays)
     return tuple(outs) if several else outs[0]
 
 
-def _explicit_order(op: DistributedOperator) -> bool | None:
+def explicit_order(op: DistributedOperator) -> bool | None:
     """**Returns:** the `ordered` setting of `op` or, failing that, of its class body
     (a subclass's wins), or None where neither sets it."""
     if op.ordered is not None:
@@ -393,6 +393,9 @@ def _diff(specs: Sequence[jax.ShapeDtypeStruct]) -> list[int]:
 
 
 def _missing(op: DistributedOperator, phase: str) -> str:
+    custom = getattr(type(op), "missing_methods", {}).get(phase)
+    if custom:  # (a class that names the method of its own that is missing)
+        return custom
     mode = ("forward mode (jax.jvp, jacfwd)" if phase == "jvp"
             else "reverse mode (grad, vjp, jacrev, compute_totals)")
     return (f"{type(op).__name__} does not implement {phase}(self, comm, "

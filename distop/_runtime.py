@@ -224,7 +224,7 @@ _NOTICE_BYTES = 1024
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # the first line of an operator's failure as distop reports it, after "distop: " or the
 # exception's name
-_FAILED = re.compile(r"(?:[\w.]+: )?([A-Za-z_]\w*\.(?:forward|vjp|jvp)) on rank \d+: ")
+_FAILED = re.compile(r"(?:[\w.]+: )?([A-Za-z_]\w*\.[A-Za-z_]\w*) on rank \d+: ")
 
 _runtime_comm: Any = None  # the runtime's own communicator, once attached
 _listener: "_Listener | None" = None

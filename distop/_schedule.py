@@ -119,7 +119,7 @@ def refuse_checkpoint(traced: Traced) -> Traced:
     for call, context, _ in found:
         if "checkpoint" in context.replace(".", "/").split("/"):
             raise DistopError(
-                f"{type(call.op).__name__}.{call.phase} is called inside jax.checkpoint "
+                f"{call.where} is called inside jax.checkpoint "
                 "(jax.remat): differentiating it, JAX would call the operator again in "
                 "the reverse sweep, and its collectives with it, where distop runs every "
                 "operator call once, in one order on every rank. Call the operator "
@@ -181,8 +181,8 @@ def _entry(index: int, call: HostCall, context: str, group: int,
     return ScheduleEntry(
         index=index,
         operator=type(op).__name__,
-        phase=call.phase,
-        collectives=tuple(getattr(op, call.phase + "_collectives", ())),
+        phase=call.label,
+        collectives=call.declared,
         input_shapes=tuple(tuple(s.shape) for s in inputs),
         output_shapes=tuple(tuple(s.shape) for s in call.result_specs),
         input_dtypes=tuple(_name(s.dtype) for s in inputs),

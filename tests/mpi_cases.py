@@ -1329,5 +1329,73 @@ def what_distop_keeps_per_communicator_goes_with_it():
     second.Free()
 
 
+# -- implicit operators ---------------------------------------------------------------
+class Coupled(distop.ImplicitOperator):
+    """y with R(y, b, k) = k y + sum(y) - b = 0 over the global vector (the matrix
+    k I + 1 1^T, coupling every rank), solved in closed form with one Allreduce; its
+    adjoint is the same solve (the matrix is symmetric), batched over the seeds."""
+
+    solve_collectives = adjoint_collectives = residual_collectives = ("Allreduce",)
+    batched_adjoint = True
+    fail: str = ""  # the method that fails on the last rank, for tests/mpi_failures.py
+
+    def _solve(self, comm, rhs, k):
+        """(k I + 1 1^T)^-1 rhs, rows of a batch at once."""
+        sums = np.array([rhs.sum(axis=-1), np.full(rhs.shape[:-1], rhs.shape[-1], float)])
+        total = np.empty_like(sums)
+        comm.Allreduce(sums, total, op=MPI.SUM)
+        s = total[0] / (k + total[1])
+        return (rhs - s[..., None]) / k
+
+    def _maybe_fail(self, comm, method):
+        if self.fail == method and comm.Get_rank() == comm.Get_size() - 1:
+            raise RuntimeError(f"{method} did not converge in 50 iterations")
+
+    def solve(self, comm, b, k):
+        self._maybe_fail(comm, "solve")
+        return self._solve(comm, b, k)
+
+    def solve_adjoint(self, comm, y_bar, y, b, k):
+        self._maybe_fail(comm, "solve_adjoint")
+        return self._solve(comm, y_bar, k)
+
+    def residual_vjp(self, comm, lam, y, b, k):
+        k_bar = np.empty(lam.shape[0])
+        comm.Allreduce(np.ascontiguousarray(lam @ y), k_bar, op=MPI.SUM)
+        if self.fail == "residual_vjp" and comm.Get_rank() == comm.Get_size() - 1:
+            return -lam[:, :-1], k_bar
+        return -lam, k_bar
+
+
+@case("core")
+def an_implicit_operator_differentiates_by_its_adjoint():
+    sizes = [3, 0, 2, 4][:size] if size > 2 else [3, 2][:size]  # uneven, one empty
+    n, start = sum(sizes), sum(sizes[:rank])
+    bg = np.linspace(0.5, 2.0, n)
+    k = 1.5
+    dense = k * np.eye(n) + np.ones((n, n))
+    yg = np.linalg.solve(dense, bg)
+    op = Coupled()
+
+    def model(b, k):
+        y = op(b, k)
+        return {"y": y, "f": distop.AllreduceSum()(jnp.sum(y ** 2))}
+
+    problem = distop.Problem(model, {"b": bg[start:start + sizes[rank]], "k": k},
+                             distributed=["b", "y"])
+    values = problem.run()
+    all_close_everywhere(comm, values["y"], yg[start:start + sizes[rank]])
+    all_close_everywhere(comm, values["f"], yg @ yg)
+    inverse = np.linalg.inv(dense)
+    for mode in ("batched", "loop"):
+        totals = problem.compute_totals(mode=mode)
+        all_close_everywhere(comm, totals["y", "b"], inverse, atol=1e-14)
+        all_close_everywhere(comm, totals["y", "k"], -(inverse @ yg)[:, None], atol=1e-14)
+        all_close_everywhere(comm, totals["f", "b"], (2 * inverse @ yg)[None], atol=1e-14)
+    assert all(r.ok for r in problem.check_totals(out_stream=None).values())
+    phases = [(e.operator, e.phase) for e in problem.schedule]
+    assert ("Coupled", "solve") in phases and ("Coupled", "adjoint") in phases, phases
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

@@ -86,6 +86,14 @@ def main(scenario):
             forward_collectives = vjp_collectives = ()
 
         distop.Problem(lambda x: {"y": Local()(x)}, {"x": x}, distributed=["x", "y"]).run()
+    elif scenario.startswith("implicit_"):  # ("implicit_" + the method that fails)
+        from mpi_cases import Coupled
+
+        op = Coupled(fail=scenario[len("implicit_"):])
+        problem = distop.Problem(lambda b: {"f": distop.AllreduceSum()(jnp.sum(op(b, 2.0)))},
+                                 {"b": x}, distributed=["b"])
+        problem.run()
+        problem.compute_totals()
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()

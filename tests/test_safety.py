@@ -31,6 +31,13 @@ SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the
     ("undeclared_collective", False, "issued ['Barrier'], not declared"),
     ("undeclared_point_to_point", False, "issued ['Sendrecv'], not declared in "
                                          "forward_collectives=()"),
+    ("implicit_solve", False, "Coupled.solve on rank {bad}: raised RuntimeError: solve did "
+                              "not converge"),
+    ("implicit_solve_adjoint", False, "Coupled.solve_adjoint on rank {bad}: raised "
+                                      "RuntimeError: solve_adjoint did not converge"),
+    ("implicit_solve_adjoint", True, "Rank {bad} is running step #"),
+    ("implicit_residual_vjp", False, "Coupled.residual_vjp on rank {bad}: returned input "
+                                     "cotangent 0 with shape (1, 2)"),
     ("raises_before_any_problem", False, "uncaught RuntimeError on rank {bad}; aborting all"),
     ("rank_exits_before_any_problem", False, "s in Problem: duplicating the communicator"),
 ]
@@ -58,6 +65,10 @@ REPORTS = [  # (scenario, checking mode, the user's line that raised, what other
     ("forward_raises", True, 'raise RuntimeError("disk quota exceeded")',
      ("distop: rank {r} of {n} stopped: rank {bad} failed in Flaky.forward (see its "
       "traceback).")),
+    ("implicit_solve_adjoint", False,
+     'raise RuntimeError(f"{method} did not converge in 50 iterations")',
+     ("distop: rank {r} of {n} stopped: rank {bad} failed in Coupled.solve_adjoint (see "
+      "its traceback).")),
     ("every_rank_raises", False, "raise ValueError(\"no input named 'x3'\")",
      ("distop: rank {r} of {n} stopped: it raised ValueError, as rank 0 did (see rank 0's "
       "traceback).")),

@@ -154,7 +154,9 @@ class HostCall(HostCallable):
         # carries the leading batch axis (it does only when distop batches).
         self.kwargs: dict[str, Any] = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
-        self.where = f"{cls.__name__}.{phase}"
+        # the phase as users know it (an implicit operator's `solve`, say) and its place
+        self.label: str = getattr(cls, "phase_labels", {}).get(phase, phase)
+        self.where = f"{cls.__name__}.{self.label}"
         self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         # what the method receives: the communication it declared, no more
@@ -252,7 +254,7 @@ class HostCall(HostCallable):
         undeclared = sorted({name for name in issued if name.lower() not in declared})
         if undeclared:
             raise OperatorError(self._say(
-                f"issued {undeclared}, not declared in {self.phase}_collectives="
+                f"issued {undeclared}, not declared in {self.label}_collectives="
                 f"{self.declared}; declare every collective the method issues"))
 
     # -- helpers --------------------------------------------------------------------
@@ -453,7 +455,7 @@ class HostCall(HostCallable):
 
     def _say(self, text: str) -> str:
         rank = self.comm.Get_rank() if self.comm is not None else 0
-        return f"{type(self.op).__name__}.{self.phase} on rank {rank}: {text}"
+        return f"{self.where} on rank {rank}: {text}"
 
 
 def _fail(call: HostCall, err: BaseException) -> NoReturn:

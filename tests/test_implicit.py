@@ -1,0 +1,190 @@
+"""Implicit operators in a single process: values and derivatives against dense solves,
+one solve per call, batched adjoints, and the errors that name the user's method."""
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import distop
+
+N = 6
+_rng = np.random.default_rng(7)
+_M = _rng.normal(size=(N, N))
+A = _M @ _M.T + N * np.eye(N)  # SPD
+B = A + np.triu(_rng.normal(size=(N, N)), 1)  # not symmetric: the adjoint differs
+
+
+class Scaled(distop.ImplicitOperator):
+    """y with (k B) y = b + c, for a vector b, a scalar k and a shift c; counts its
+    methods' calls."""
+
+    calls: ClassVar[list] = []  # (class-level: the instances are equinox modules)
+
+    def solve(self, comm, b, k, c):
+        self.calls.append("solve")
+        return np.linalg.solve(k * B, b + c)
+
+    def solve_adjoint(self, comm, y_bar, y, b, k, c):
+        self.calls.append("solve_adjoint")
+        return np.linalg.solve((k * B).T, y_bar)
+
+    def residual_vjp(self, comm, lam, y, b, k, c):
+        # R = k B y - b - c: dR/db = -I, dR/dk = B y, dR/dc = -1
+        self.calls.append("residual_vjp")
+        return -lam, np.asarray(lam @ (B @ y)), np.asarray(-lam.sum())
+
+    def solve_linear(self, comm, rhs, y, b, k, c):
+        return np.linalg.solve(k * B, rhs)
+
+    def residual_jvp(self, comm, tangents, y, b, k, c):
+        tb, tk, tc = tangents
+        return -tb + tk * (B @ y) - tc
+
+
+class BatchedScaled(Scaled):
+    """`Scaled` with one block solve for every seed."""
+
+    batched_adjoint = True
+
+    def solve_adjoint(self, comm, y_bar, y, b, k, c):
+        self.calls.append(("solve_adjoint", y_bar.shape, y.shape))
+        return np.linalg.solve((k * B).T, y_bar.T).T.copy()
+
+    def residual_vjp(self, comm, lam, y, b, k, c):
+        self.calls.append(("residual_vjp", lam.shape))
+        return -lam, lam @ (B @ y), -lam.sum(axis=1)
+
+
+def dense(b, k, c):
+    return jnp.linalg.solve(k * B, b + c)
+
+
+POINT = (np.linspace(-1.0, 1.0, N), 1.5, 0.25)
+
+
+@pytest.mark.parametrize("cls", [Scaled, BatchedScaled])
+def test_derivatives_match_a_dense_solve(cls):
+    op = cls()
+    f = lambda b, k, c: jnp.sum(op(b, k, c) ** 3)  # noqa: E731
+    g = lambda b, k, c: jnp.sum(dense(b, k, c) ** 3)  # noqa: E731
+    for got, want in zip(jax.grad(f, (0, 1, 2))(*POINT), jax.grad(g, (0, 1, 2))(*POINT)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    jitted = jax.jit(jax.jacrev(lambda b: op(b, 1.5, 0.25)))(POINT[0])
+    np.testing.assert_allclose(jitted, jnp.linalg.inv(1.5 * B), rtol=1e-12, atol=1e-14)
+    tangent = (np.ones(N), 0.5, -1.0)
+    _, got = jax.jvp(lambda *a: op(*a), POINT, tangent)
+    _, want = jax.jvp(dense, POINT, tangent)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls", [Scaled, BatchedScaled])
+def test_problem_totals_solve_once_and_reuse_y(cls):
+    op = cls()
+    problem = distop.Problem(lambda b, k, c: {"y": op(b, k, c)},
+                             dict(zip("bkc", POINT)))
+    cls.calls.clear()
+    values = problem.run()
+    np.testing.assert_allclose(values["y"], dense(*POINT), rtol=1e-12)
+    assert cls.calls == ["solve"]
+    for mode in ("batched", "loop", "unrolled"):
+        cls.calls.clear()
+        J = problem.compute_totals(mode=mode)
+        inverse = np.linalg.inv(1.5 * B)
+        np.testing.assert_allclose(J["y", "b"], inverse, rtol=1e-11, atol=1e-13)
+        np.testing.assert_allclose(J["y", "c"], inverse.sum(axis=1, keepdims=True),
+                                   rtol=1e-11, atol=1e-13)
+        np.testing.assert_allclose(J["y", "k"], -(values["y"] / 1.5)[:, None],
+                                   rtol=1e-11, atol=1e-13)
+        solves = [c for c in cls.calls if c == "solve"]
+        assert len(solves) <= 1, cls.calls  # the adjoint never solves the forward again
+    cls.calls.clear()
+    values, J = problem.run_and_compute_totals()
+    assert [c for c in cls.calls if c == "solve"] == ["solve"]
+    if cls is BatchedScaled:  # one block solve for the N seeds, y without a batch axis
+        assert ("solve_adjoint", (N, N), (N,)) in cls.calls
+        assert ("residual_vjp", (N, N)) in cls.calls
+    assert all(r.ok for r in problem.check_totals(out_stream=None).values())
+
+
+def test_schedule_names_the_solve_and_the_adjoint():
+    op = Scaled()
+    problem = distop.Problem(lambda b, k, c: {"f": jnp.sum(op(b, k, c) ** 2)},
+                             dict(zip("bkc", POINT)))
+    problem.compute_totals()
+    phases = [(e.operator, e.phase) for e in problem.schedule]
+    assert ("Scaled", "solve") in phases and ("Scaled", "adjoint") in phases
+    assert phases.index(("Scaled", "solve")) < phases.index(("Scaled", "adjoint"))
+
+
+def test_integer_inputs_get_no_cotangent():
+    class Shifted(distop.ImplicitOperator):
+        def solve(self, comm, b, n):
+            return np.linalg.solve(A, b) + n
+
+        def solve_adjoint(self, comm, y_bar, y, b, n):
+            return np.linalg.solve(A.T, y_bar)
+
+        def residual_vjp(self, comm, lam, y, b, n):
+            return -lam, None  # R = A (y - n) - b: dR/db = -I
+
+    op = Shifted()
+    b = np.ones(N)
+    grad = jax.grad(lambda b: jnp.sum(op(b, np.int32(2))))(b)
+    np.testing.assert_allclose(grad, np.linalg.solve(A, np.ones(N)), rtol=1e-12)
+
+
+def test_a_missing_adjoint_names_the_method():
+    class OnlySolve(distop.ImplicitOperator):
+        def solve(self, comm, b):
+            return b * 2.0
+
+    op = OnlySolve()
+    np.testing.assert_array_equal(op(np.ones(2)), 2.0 * np.ones(2))
+    with pytest.raises(distop.MissingMethodError, match=r"OnlySolve does not implement "
+                       r"solve_adjoint\(self, comm, y_bar, y, \*inputs\)"):
+        jax.grad(lambda b: jnp.sum(op(b)))(np.ones(2))
+    with pytest.raises(distop.MissingMethodError, match="solve_linear"):
+        jax.jvp(op, (np.ones(2),), (np.ones(2),))
+
+
+def test_wrong_results_name_the_method_and_what_is_expected():
+    class Wrong(Scaled):
+        def residual_vjp(self, comm, lam, y, b, k, c):
+            return -lam[:-1], np.asarray(0.0), np.asarray(0.0)
+
+    class NotATuple(Scaled):
+        def residual_vjp(self, comm, lam, y, b, k, c):
+            return -lam
+
+    class Raises(Scaled):
+        def solve_adjoint(self, comm, y_bar, y, b, k, c):
+            raise RuntimeError("the adjoint did not converge")
+
+    f = lambda op: jax.grad(lambda b: jnp.sum(op(b, 1.0, 0.0)))(np.ones(N))  # noqa: E731
+    with pytest.raises(distop.OperatorError, match=r"Wrong.residual_vjp on rank 0: returned "
+                       r"input cotangent 0 with shape \(5,\).*expected .*shape \(6,\)"):
+        f(Wrong())
+    with pytest.raises(distop.OperatorError, match=r"NotATuple.residual_vjp on rank 0: "
+                       r"returned a ndarray; expected a tuple with one array per input"):
+        f(NotATuple())
+    with pytest.raises(distop.OperatorError, match=r"Raises.solve_adjoint on rank 0: raised "
+                       r"RuntimeError: the adjoint did not converge"):
+        f(Raises())
+
+
+def test_declarations_are_checked_when_the_class_is_made():
+    with pytest.raises(TypeError, match=r"Bad.adjoint_collectives names 'Allreduse'.*"
+                       r"Did you mean 'Allreduce'"):
+        class Bad(distop.ImplicitOperator):
+            adjoint_collectives = ("Allreduse",)
+
+
+def test_vmap_over_the_inputs_solves_each():
+    op = BatchedScaled()
+    bs = np.stack([POINT[0], 2.0 * POINT[0]])
+    got = jax.vmap(jax.grad(lambda b: jnp.sum(op(b, 1.5, 0.25) ** 2)))(bs)
+    want = jax.vmap(jax.grad(lambda b: jnp.sum(dense(b, 1.5, 0.25) ** 2)))(bs)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)

@@ -1,5 +1,7 @@
 """Exception types raised by distop."""
 
+from typing import Any
+
 
 class DistopError(Exception):
     """Base class of every error distop raises on purpose."""
@@ -47,3 +49,12 @@ class MPIUnavailableError(DistopError, ImportError):
 
 class DerivativeCheckError(DistopError, ValueError):
     """`check_totals(raise_on_error=True)` found a block that fails, raised on every rank."""
+
+
+class ConvergenceError(DistopError, RuntimeError):
+    """An iterative solver of `distop.linalg` stopped short of its tolerance (its
+    iteration limit, or a breakdown). Raised on every rank alike, naming the solver, the
+    iterations, the residual against the tolerance and the fix; `result` holds the
+    `SolveResult` reached."""
+
+    result: Any = None

@@ -55,6 +55,29 @@ def test_examples(example, args, tolerance, nprocs):
     assert match and float(match.group(1)) <= tolerance, out
 
 
+@pytest.mark.parametrize("nprocs, split", [(2, "14,10"), (4, "7,0,10,7")])
+def test_poisson_example(nprocs, split):
+    code, out = run_mpi(nprocs, ROOT / "examples" / "poisson.py", "--n", 24, "--split",
+                        split, expect_ok=False)
+    assert code == 0, out
+    match = re.search(r"max relative error (\S+)", out)
+    assert match and float(match.group(1)) <= 1e-8, out
+    assert "check_totals on a 8 x 8 grid: ok" in out, out
+
+
+def test_optimize_example_takes_the_same_steps_on_any_number_of_ranks():
+    found = []
+    for nprocs, split in [(1, ""), (2, "9,7"), (4, "5,0,7,4")]:
+        args = ("--split", split) if split else ()
+        code, out = run_mpi(nprocs, ROOT / "examples" / "optimize.py", *args,
+                            expect_ok=False)
+        assert code == 0, out
+        error = re.search(r"max relative error (\S+)", out)
+        assert error and float(error.group(1)) <= 1e-8, out
+        found.append(re.search(r"(\d+) iterations", out).group(1))
+    assert len(set(found)) == 1, found
+
+
 def test_watchdog_kills_a_hung_job(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("from mpi4py import MPI\n"

@@ -588,15 +588,18 @@ def worker_options(args):
             "--large-size", str(args.large_size)]
 
 
-def launch(section, ranks, args, extra_env=None):
+def launch(section, ranks, args, extra_env=None, script=HERE, options=None):
     """Run one section under `mpiexec -n ranks` (with `extra_env` added to the
     environment), killing the job after `--timeout`.
+
+    `script` and `options` name another benchmark's worker and its command-line options
+    (by default this suite's, `worker_options`).
 
     **Returns:** `(result, None)`, or `(None, report)` if the job failed: what went
     wrong and the end of its output.
     """
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(HERE), "--worker", section,
-           *worker_options(args)]
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(script), "--worker", section,
+           *(worker_options(args) if options is None else options)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _safety
+from .. import _checking, _watchdog
 from .._comm import checker
 from .._config import settings
 from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
@@ -155,11 +155,13 @@ class HostCall(HostCallable):
         self.kwargs: dict[str, Any] = {"batched": bool(batch_shape)} if takes_flag else {}
         self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
         self.where = f"{cls.__name__}.{phase}"
-        self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
-        # what the method receives: the communication it declared, no more
-        self.guarded = GuardedComm(comm, self.declared, self.where)
-        self.checker: _safety.Checker | None = None
+        # The method is busy while it runs, but for its waits in MPI (reusable: no state).
+        self._watch = _watchdog.watchdog.busy(
+            self.where, GuardedComm(comm, self.declared, self.where))
+        # what the method receives: the communication it declared, no more, watched
+        self.guarded = self._watch.comm
+        self.checker: _checking.Checker | None = None
         if (settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
             self.checker = checker(comm)
@@ -225,9 +227,9 @@ class HostCall(HostCallable):
         """
         with self._watch:
             try:
-                comm: GuardedComm | _safety.CheckedComm = self.guarded
+                comm: Any = self.guarded
                 if self.checker is not None:
-                    comm = _safety.CheckedComm(comm, self.checker, self.where)
+                    comm = _checking.CheckedComm(comm, self.checker, self.where)
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, out), ())
                 else:

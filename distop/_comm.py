@@ -12,15 +12,16 @@ to free on one rank and not yet on another. MPICH and Open MPI happen to free a
 communicator without communicating, but the MPI standard lets a library synchronize
 there, and no collective point of the duplicate's ranks is known to come after its last
 Problem is collected. So the duplicates distop holds number at most the user's live
-communicators (two each in checking mode).
+communicators (two each with the watchdog's channel, three in checking mode).
 """
 
 import threading
 from typing import Any
 
+from ._checking import Checker
 from ._errors import DistopError
 from ._runtime import SingleProcess, at_finalize, attach, mpi, world
-from ._safety import Checker, watchdog
+from ._watchdog import watchdog
 
 _keyval = None  # the MPI attribute key linking a communicator to its `_Duplicate`
 _lock = threading.RLock()  # (reentrant: MPI may call `_deleted` while it is held)
@@ -32,11 +33,12 @@ class _Duplicate:
     """A private duplicate, its checking-mode `Checker`, and the values distop keeps for
     it (`PerCommunicator`), which go with it when it is freed."""
 
-    __slots__ = ("checker", "comm", "freed", "values")
+    __slots__ = ("channel", "checker", "comm", "freed", "values")
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.checker: Checker | None = None
+        self.channel: Any = None  # the watchdog's channel among its ranks
         self.values: dict = {}
         self.freed = False
 
@@ -82,6 +84,7 @@ def private(comm: Any) -> Any:
         comm.Set_attr(_key(), made)
         dup.Set_attr(_key(), made)  # a private duplicate of a duplicate is itself
         attach(dup)
+        made.channel = watchdog.attach(dup)
     return dup
 
 
@@ -105,10 +108,11 @@ def checker(comm: Any) -> Checker:
 
 def live_duplicates() -> int:
     """**Returns:** how many communicators distop holds for private use now: each private
-    duplicate, and each one's checking-mode duplicate (the runtime's own, made once, is
-    not counted)."""
+    duplicate, its watchdog channel's and its checking-mode duplicate (the runtime's own,
+    made once, is not counted)."""
     with _lock:
-        return sum(1 + (d.checker is not None) for d in _live.values())
+        return sum(1 + (d.checker is not None) + (d.channel is not None)
+                   for d in _live.values())
 
 
 class PerCommunicator:
@@ -181,6 +185,8 @@ def _forget(made: _Duplicate) -> None:
     made.values.clear()
     if made.checker is not None and not _finalizing:
         made.checker.comm.Free()
+    if made.channel is not None and not _finalizing:
+        watchdog.detach(made.channel)
 
 
 def _stop_freeing() -> None:

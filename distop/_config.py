@@ -3,9 +3,10 @@
 Settings come from environment variables when distop is imported and can be changed
 with `distop.configure`; they apply to programs traced afterwards.
 - `DISTOP_CHECK_COLLECTIVES=1` (default 0): the checking mode.
-- `DISTOP_WATCHDOG=SECONDS` (default 600; 0 turns it off): the longest a rank may wait
-  inside one distop callback or agreement step before it reports where it stands and
-  aborts the job.
+- `DISTOP_WATCHDOG=SECONDS` (default 60; 0 turns it off): the longest a rank may wait
+  for its peers (in a distop step, or in an MPI call of an operator's method) while no
+  peer is known to be computing, before it reports where every rank stands and aborts
+  the job. Time a method spends computing does not count.
 
 Other modules read their own yes/no variables with `env_flag` when they need them.
 """
@@ -65,7 +66,7 @@ class Settings:
     """distop's run-time settings (see the module docstring)."""
 
     check_collectives: bool = bool(env_flag("DISTOP_CHECK_COLLECTIVES", False))
-    watchdog: float = _seconds("DISTOP_WATCHDOG", 600.0)
+    watchdog: float = _seconds("DISTOP_WATCHDOG", 60.0)
 
 
 # The one instance every module reads, so that `configure` reaches them all.
@@ -78,8 +79,8 @@ def configure(*, check_collectives: bool | None = None,
 
     **Arguments:**
     - `check_collectives`: the run-time checking mode (env `DISTOP_CHECK_COLLECTIVES`).
-    - `watchdog`: seconds a rank may wait in one distop step before aborting the job
-      (env `DISTOP_WATCHDOG`; 0 turns it off).
+    - `watchdog`: seconds a rank may wait for its peers, while none is known to be
+      computing, before it aborts the job (env `DISTOP_WATCHDOG`; 0 turns it off).
 
     **Returns:** the `Settings` now in force.
     """

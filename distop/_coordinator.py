@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _comm, _safety
+from . import _comm, _watchdog
 from ._errors import DistopError
 
 REFUSED = "refused"  # the request a rank sends in place of arguments it refused
@@ -81,7 +81,7 @@ class Coordinator:
         mine = (None if error is None else f"{type(error).__name__}: {error}", shared)
         every = [mine]
         if self.comm.Get_size() > 1:
-            with _safety.watchdog.watch(f"Problem: {what}"):
+            with _watchdog.watchdog.watch(f"Problem: {what}"):
                 every = self.comm.allgather(mine)
             if any(m for m, _ in every) and error is None:
                 failed = DistopError(f"{what} failed on other ranks:\n" + "\n".join(
@@ -109,7 +109,7 @@ class Coordinator:
         """
         every = [mine]
         if self.comm.Get_size() > 1:
-            with _safety.watchdog.watch("Problem: agreeing on a failed compute_totals"):
+            with _watchdog.watchdog.watch("Problem: agreeing on a failed compute_totals"):
                 every = self.comm.allgather(mine)
         return "later" in every and "raise" not in every
 
@@ -288,7 +288,7 @@ class CallAgreement:
     def gather(self) -> np.ndarray:
         """**Returns:** every rank's `mine`, one row per rank."""
         every = np.empty((self.comm.Get_size(), self.mine.size), np.int64)
-        with _safety.watchdog.watch("Problem: agreeing on the inputs' shapes"):
+        with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
             self.comm.Allgather(self.mine, every)
         return every
 

@@ -5,7 +5,7 @@ import threading
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, _safety
+from . import _ffi, _watchdog
 from ._calls.host import take_error
 from ._compat import JaxRuntimeError
 from ._coordinator import Coordinator, offered, withdraw
@@ -77,7 +77,7 @@ class Executor:
         if program.checker is not None:
             # A rank whose program skipped a collective (rank-dependent control flow)
             # meets the others' next collective here, and every rank raises.
-            with _safety.watchdog.watch("Problem: end of program"):
+            with _watchdog.watchdog.watch("Problem: end of program"):
                 program.checker.agree(("end of program",))
         return values
 

@@ -13,27 +13,8 @@ import difflib
 from typing import Any
 
 from ._errors import OperatorError
+from ._mpi_names import COMMUNICATING, POINT_TO_POINT
 
-# mpi4py's communicator methods that communicate, by kind. The lower-case methods
-# (pickled Python objects) are the same calls: a declaration names either spelling.
-COLLECTIVE = frozenset("""
-    Allgather Allgatherv Allreduce Alltoall Alltoallv Alltoallw Barrier Bcast Exscan
-    Gather Gatherv Reduce Reduce_scatter Reduce_scatter_block Scan Scatter Scatterv
-    Iallgather Iallgatherv Iallreduce Ialltoall Ialltoallv Ialltoallw Ibarrier Ibcast
-    Iexscan Igather Igatherv Ireduce Ireduce_scatter Ireduce_scatter_block Iscan
-    Iscatter Iscatterv Neighbor_allgather Neighbor_allgatherv Neighbor_alltoall
-    Neighbor_alltoallv Neighbor_alltoallw Ineighbor_allgather Ineighbor_allgatherv
-    Ineighbor_alltoall Ineighbor_alltoallv Ineighbor_alltoallw
-    Dup Split Split_type Create Create_group Create_cart Create_graph Create_dist_graph
-    Create_dist_graph_adjacent Create_intercomm
-    allgather allreduce alltoall barrier bcast exscan gather reduce scan scatter
-""".split())
-POINT_TO_POINT = frozenset("""
-    Send Recv Sendrecv Sendrecv_replace Isend Irecv Issend Ssend Bsend Rsend Ibsend Irsend
-    Send_init Recv_init Ssend_init Bsend_init Rsend_init Probe Iprobe Mprobe Improbe
-    send recv sendrecv isend irecv issend ssend bsend probe iprobe mprobe improbe
-""".split())
-COMMUNICATING = COLLECTIVE | POINT_TO_POINT
 _KNOWN = {name.lower(): name for name in COMMUNICATING}
 
 

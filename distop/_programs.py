@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
-from . import _comm, _ffi, _safety, _schedule
+from . import _checking, _comm, _ffi, _schedule, _watchdog
 from ._calls.host import HostCall
 from ._compat import x64_enabled
 from ._config import settings
@@ -51,7 +51,7 @@ class Program:
     schedule: tuple[ScheduleEntry, ...]
     outputs: pipeline.Outputs  # of the program's results, before packing
     make_extra: Callable[[], tuple[Any, ...]] = tuple
-    checker: _safety.Checker | None = None
+    checker: _checking.Checker | None = None
     calls: int = 0  # lean host calls per run: each adds one to the token
     ahead: bool = False  # whether its first host call may make the ranks' agreement
     _extra: tuple[Any, ...] | None = None
@@ -233,7 +233,7 @@ class Programs:
                               stacklevel=3)
             fn, outputs, jaxpr, traced = self.trace(name, options, layout, specs,
                                                      False)
-        with _safety.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
+        with _watchdog.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
             schedule = _schedule.agree(self.comm, name,
                                        _schedule.extract(jaxpr, traced))
         checker = (_comm.checker(self.comm) if settings.check_collectives

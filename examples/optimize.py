@@ -100,7 +100,8 @@ def main():
         return J, grad
 
     found = scipy.optimize.minimize(objective, np.zeros(n * n), jac=True, method="L-BFGS-B",
-                                    options={"gtol": 1e-7, "ftol": 0.0, "maxiter": 2000, "maxcor": 30})
+                                    options={"gtol": 1e-7, "ftol": 0.0, "maxiter": 2000,
+                                             "maxcor": 30})
     best = np.linalg.solve(K.T @ K + alpha * np.eye(n * n), K.T @ u_obs)
     err = float(np.max(np.abs(found.x - best)) / np.max(np.abs(best)))
     if comm.Get_rank() == 0:

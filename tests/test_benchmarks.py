@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -56,3 +57,14 @@ def test_matvec_section_compares_every_variant_on_the_same_values(tmp_path):
         # gradients (the unordered one may not: that is what it shows)
         for name in ("floor", "ffi", "lean", "nofuse", "io_cb", *others):
             assert row["error"][name] < 1e-12, (name, row["error"])
+
+
+def test_watchdog_benchmark_prints_its_table():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "watchdog.py"), "--repeat", "1000",
+         "--rounds", "1"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"Allreduce(8", "method:", "Get_rank()"}, proc.stdout
+    assert all(float(value) > 0 for value in rows["Allreduce(8"][2:4]), proc.stdout

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 from helpers import ROOT, TESTS, run_mpi
 
 import distop
-from distop import _safety
+from distop import _config, _watchdog
 from distop._launch import diagnose
 
 MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
@@ -55,7 +56,7 @@ def test_failure_ends_every_rank_with_a_clear_message(scenario, checking, expect
     assert time.monotonic() - started <= 60, out
     assert code != 0, out
     assert expected.format(bad=nprocs - 1, n=nprocs) in out, out
-    if "watchdog" in out:  # it says where the rank waits
+    if "distop watchdog:" in out:  # it says where the rank waits
         assert any(w in out for w in ("Flaky.forward", "agreeing", "duplicating")), out
 
 
@@ -204,7 +205,7 @@ def test_configure_and_environment():
 ])
 def test_yes_no_variables_take_the_usual_spellings(value, expected, monkeypatch):
     monkeypatch.setenv("DISTOP_FUSE", value)
-    assert _safety.env_flag("DISTOP_FUSE", None) is expected
+    assert _config.env_flag("DISTOP_FUSE", None) is expected
     if expected is not None:
         problem = distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": np.ones(2)})
         assert problem.fuse is expected
@@ -241,3 +242,146 @@ def test_user_code_gets_row_major_arrays_whatever_xla_did():
     contiguous, seen = log[0]
     assert contiguous
     np.testing.assert_array_equal(seen, a.reshape(4, 3).T[::-1])
+
+
+# -- the watchdog: waiting counts, computing does not ---------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_watchdog_lets_ranks_compute_longer_than_its_limit(nprocs):
+    # each case computes 5 s with a limit of 2 s: on every rank, or on one rank while
+    # the others wait for it in a collective, in requests, or in the next call's agreement
+    run_mpi(nprocs, TESTS / "mpi_watchdog.py", "healthy", timeout=240,
+            env={"DISTOP_WATCHDOG": "2"})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("scenario, expected", [
+    ("exits_early", ("has waited {s} s in Problem: agreeing on the inputs' shapes",
+                     "rank {last}: at its exit for")),
+    ("another_collective", ("has waited {s} s in Solve.forward, collective Allreduce",
+                            "rank {last}: waiting in Other.forward, collective Barrier for")),
+])
+def test_watchdog_reports_a_hang_at_its_limit_with_what_every_rank_does(scenario, expected,
+                                                                        nprocs):
+    limit, started = 2, time.monotonic()
+    code, out = run_mpi(nprocs, TESTS / "mpi_watchdog.py", scenario, timeout=120,
+                        expect_ok=False, env={"DISTOP_WATCHDOG": str(limit)})
+    assert time.monotonic() - started <= 60, out
+    assert code != 0 and "finished without an error" not in out, out
+    waited = [float(s) for s in re.findall(r"of \d+ has waited ([\d.]+) s", out)]
+    assert waited and max(waited) <= limit + 1, out  # (reported at the limit)
+    first, peer = expected
+    assert re.search(re.escape(first).replace(r"\{s\}", r"[\d.]+"), out), out
+    assert peer.format(last=nprocs - 1) in out, out
+
+
+class _Comm:
+    """A stand-in communicator of two ranks whose calls record where the watchdog
+    stands while they run."""
+
+    def __init__(self, seconds=0.0):
+        self.seconds, self.seen = seconds, []
+
+    def Get_size(self):
+        return 2
+
+    def _record(self, *args):
+        self.seen.append(_watchdog.watchdog._active.get(threading.get_ident()))
+        time.sleep(self.seconds)
+
+    Allreduce = Recv = Isend = _record
+
+    def Split(self, color):
+        self._record()
+        return _Comm(self.seconds)
+
+
+def test_watchdog_sees_each_mpi_call_of_a_method_as_a_wait_and_the_rest_as_computing():
+    comm = _Comm()
+    busy = _watchdog.watchdog.busy("Solve.forward", comm)
+    assert isinstance(busy.comm, _watchdog.WatchedComm) and busy.comm.seconds == 0.0
+    with busy:
+        key = threading.get_ident()
+        assert _watchdog.watchdog._active[key][:3] == (_watchdog.COMPUTING, "Solve.forward", None)
+        busy.comm.Allreduce(np.ones(8), np.empty(8))
+        busy.comm.Recv(np.empty(8), 1)
+        assert _watchdog.watchdog._active[key][0] == _watchdog.COMPUTING
+        sub = busy.comm.Split(0)
+        assert isinstance(sub, _watchdog.WatchedComm)
+        busy.comm.Isend(np.ones(8), 1)  # (the method may wait on the request unseen)
+        assert _watchdog.watchdog._active[key][:3] == (_watchdog.UNSEEN, "Solve.forward", "Isend")
+    assert key not in _watchdog.watchdog._active
+    assert [s[:3] for s in comm.seen] == [(_watchdog.WAITING, "Solve.forward", name)
+                                          for name in ("Allreduce", "Recv", "Split")] + [
+        (_watchdog.UNSEEN, "Solve.forward", "Isend")]
+    one = _Comm()
+    one.Get_size = lambda: 1
+    assert _watchdog.watchdog.busy("Solve.forward", one).comm is one  # (no peer to wait for)
+
+
+@pytest.fixture
+def aborts(monkeypatch):
+    """The watchdog's aborts, recorded instead of ending the process; a limit of 0.3 s."""
+    found = []
+    monkeypatch.setattr(_watchdog, "abort", lambda comm, message: found.append(message))
+    limit = distop.configure().watchdog
+    distop.configure(watchdog=0.3)
+    yield found
+    distop.configure(watchdog=limit)
+
+
+def test_watchdog_counts_a_method_waiting_in_mpi_but_not_computing(aborts):
+    busy = _watchdog.watchdog.busy("Solve.forward", _Comm(seconds=1.0))
+    with busy:
+        time.sleep(1.0)  # computing: more than three times the limit
+    assert aborts == []
+    with busy:
+        busy.comm.Allreduce(np.ones(8), np.empty(8))
+    assert aborts, "a wait past the limit was not reported"
+    assert re.search(r"has waited 0\.\d s in Solve\.forward, collective Allreduce \(limit "
+                     r"DISTOP_WATCHDOG=0\.3 s", aborts[0]), aborts[0]
+    assert "Where the other ranks stand is unknown" in aborts[0], aborts[0]
+
+
+def test_watchdog_waits_on_while_a_peer_computes(aborts):
+    dog = _watchdog.Watchdog()
+    now = time.monotonic()
+    dog._heard = {1: (now, _watchdog.COMPUTING, "Solve.forward", 100.0)}
+    assert dog._held(now, 0.3, longest=1000.0)  # however long
+    dog._heard = {1: (now - 1.0, _watchdog.COMPUTING, "Solve.forward", 100.0)}
+    assert not dog._held(now, 0.3, longest=1.0)  # (no news within the limit)
+    for state in (_watchdog.OUTSIDE, _watchdog.UNSEEN):  # (it may be waiting, unseen)
+        dog._heard = {1: (now, state, "", 1.0)}
+        assert dog._held(now, 0.3, longest=2.9) and not dog._held(now, 0.3, longest=3.1)
+    for state in (_watchdog.WAITING, _watchdog.EXITING):
+        dog._heard = {1: (now, state, "Solve.forward, collective Allreduce", 1.0)}
+        assert not dog._held(now, 0.3, longest=0.5)
+
+
+def test_watchdog_report_says_where_every_rank_stands(monkeypatch):
+    monkeypatch.setattr(_watchdog.settings, "check_collectives", False)  # (its hint)
+    now = 1000.0
+    heard = {1: (now, _watchdog.WAITING, "Solve.forward, collective Allreduce", 61.2),
+             2: (now - 0.5, _watchdog.WAITING, "Solve.forward, collective Allreduce", 60.6),
+             3: (now - 2.0, _watchdog.COMPUTING, "Solve.forward", 70.0),
+             5: (now - 90.0, _watchdog.OUTSIDE, "", 1.0),
+             6: (now, _watchdog.EXITING, "its exit", 3.0)}
+    asked = dict.fromkeys(range(1, 8), now - 1.0)
+    stuck = [(_watchdog.WAITING, "Solve.forward, collective Allreduce", 61.4, 60.0)]
+    text = _watchdog.report(0, 8, stuck, 60.0, now, heard, asked, "")
+    assert text.splitlines() == [
+        "distop watchdog: rank 0 of 8 has waited 61 s in Solve.forward, collective "
+        "Allreduce (limit DISTOP_WATCHDOG=60 s of waiting; time a method spends computing "
+        "does not count).",
+        "Where the other ranks stand, as they last answered:",
+        "  ranks 1-2: waiting in Solve.forward, collective Allreduce for 61 s",
+        "  rank 3: computing in Solve.forward for 72 s (answered 2.0 s ago)",
+        "  ranks 4, 7: no answer (asked 1.0 s ago): it may have exited or crashed, or hold "
+        "the GIL in a long computation",
+        "  rank 5: no answer for 90 s; before that, outside distop for 91 s (in its own "
+        "code, or tracing or compiling)",
+        "  rank 6: at its exit for 3.0 s: its program has ended",
+        "No other rank is known to be computing: one failed, exited, or runs a different "
+        "schedule (rank-dependent control flow; DISTOP_CHECK_COLLECTIVES=1 names it). "
+        "Aborting the job."]

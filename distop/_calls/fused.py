@@ -6,7 +6,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _safety
+from .. import _watchdog
 from .._comm import mpi
 from .base import HostCallable
 from .host import HostCall, Rows, rows_of
@@ -104,7 +104,7 @@ class FusedCall(HostCallable):
             [args[k] for _, k in self.wiring[i][:self.members[i].n_linear]])
             for i in self._agreeing]
         every = np.concatenate(masks).astype(np.uint8)
-        with _safety.watchdog.watch("fused call: agreeing on the nonzero rows"):
+        with _watchdog.watchdog.watch("fused call: agreeing on the nonzero rows"):
             self._comm.Allreduce(mpi().IN_PLACE, every, op=mpi().MAX)
         found, start = {}, 0
         for i, mask in zip(self._agreeing, masks):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _safety
+from .. import _checking, _watchdog
 from .._comm import checker
 from .._config import settings
 from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
@@ -157,11 +157,13 @@ class HostCall(HostCallable):
         # the phase as users know it (an implicit operator's `solve`, say) and its place
         self.label: str = getattr(cls, "phase_labels", {}).get(phase, phase)
         self.where = f"{cls.__name__}.{self.label}"
-        self._watch = _safety.watchdog.watch(self.where)  # (reusable: it keeps no state)
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
-        # what the method receives: the communication it declared, no more
-        self.guarded = GuardedComm(comm, self.declared, self.where)
-        self.checker: _safety.Checker | None = None
+        # The method is busy while it runs, but for its waits in MPI (reusable: no state).
+        self._watch = _watchdog.watchdog.busy(
+            self.where, GuardedComm(comm, self.declared, self.where))
+        # what the method receives: the communication it declared, no more, watched
+        self.guarded = self._watch.comm
+        self.checker: _checking.Checker | None = None
         if (settings.check_collectives and comm is not None
                 and comm.Get_size() > 1):
             self.checker = checker(comm)
@@ -227,9 +229,9 @@ class HostCall(HostCallable):
         """
         with self._watch:
             try:
-                comm: GuardedComm | _safety.CheckedComm = self.guarded
+                comm: Any = self.guarded
                 if self.checker is not None:
-                    comm = _safety.CheckedComm(comm, self.checker, self.where)
+                    comm = _checking.CheckedComm(comm, self.checker, self.where)
                 if not self.batch_shape:
                     results = self._check(self._invoke(args, comm, out), ())
                 else:

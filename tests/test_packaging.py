@@ -3,6 +3,10 @@ version."""
 
 import importlib.metadata
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,3 +44,18 @@ def test_the_readme_code_runs_as_written():
     np.testing.assert_allclose(scope["values"]["f"], w @ A @ x2, rtol=1e-12)
     np.testing.assert_allclose(scope["totals"]["f", "x"], (w @ A)[None], rtol=1e-12)
     assert [e.phase for e in scope["problem"].schedule] == ["forward", "vjp"]
+
+
+def test_the_wheel_holds_every_module_and_the_typing_marker(tmp_path):
+    # (an editable install finds every file in the checkout: a wheel built from a clean
+    # copy, without the checkout's build products, must hold them too)
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "build", "*.egg-info", "__pycache__", ".*_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                    "--wheel-dir", str(tmp_path), str(source)], check=True, timeout=600)
+    wheel, = tmp_path.glob("distop-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "distop").rglob("*.py")}
+    assert modules <= names, sorted(modules - names)
+    assert "distop/py.typed" in names

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._calls.host import inexact_dtype
 from ._comm import private
 from ._errors import MissingMethodError, OperatorError
 from ._operator import DistributedOperator, apply, explicit_order
@@ -216,7 +217,7 @@ class _Solve(DistributedOperator):
     phase_labels: ClassVar[dict[str, str]] = {"forward": "solve"}
 
     def forward(self, comm: Any, *inputs: Any) -> Any:
-        return self.implicit.solve(comm, *inputs)
+        return type(self.implicit).solve(self.implicit, comm, *inputs)
 
     def output_spec(self, *input_specs: Any) -> Any:
         return type(self.implicit).output_spec(self.implicit, *input_specs)
@@ -246,45 +247,22 @@ class _State(DistributedOperator):
             batched: bool = False) -> tuple:
         if not batched:
             if not self.batched_vjp:
-                return (np.zeros_like(y), *self._pull_back(comm, y_bar, y, inputs, ()))
+                return (np.zeros_like(y), *_pull_back(self.implicit, comm, y_bar, y, inputs, ()))
             # (a batched adjoint always sees the batch axis: here, of one seed)
-            found = self._pull_back(comm, y_bar[None], y, inputs, (1,))
+            found = _pull_back(self.implicit, comm, y_bar[None], y, inputs, (1,))
             return (np.zeros_like(y), *(None if f is None else f[0] for f in found))
         # (a batched call: y_bar carries the K seeds; y and the inputs carry a batch
         # axis of 1 where they are the same for every seed, as in compute_totals)
         count = y_bar.shape[0]
         if all(a.shape[:1] == (1,) for a in (y, *inputs)):
-            found = self._pull_back(comm, y_bar, y[0, ...], [x[0, ...] for x in inputs],
+            found = _pull_back(self.implicit, comm, y_bar, y[0, ...], [x[0, ...] for x in inputs],
                                     (count,))
         else:  # (vmapped over the inputs as well: one seed at a time)
-            rows = [self._pull_back(comm, y_bar[k:k + 1], _row(y, k),
+            rows = [_pull_back(self.implicit, comm, y_bar[k:k + 1], _row(y, k),
                                     [_row(x, k) for x in inputs], (1,))
                     for k in range(count)]
             found = [None if r[0] is None else np.concatenate(r) for r in zip(*rows)]
         return (np.zeros(y_bar.shape, y.dtype), *found)
-
-    def _pull_back(self, comm: Any, y_bar: np.ndarray, y: np.ndarray,
-                   inputs: Sequence[np.ndarray], batch: tuple[int, ...]) -> list:
-        """**Returns:** each input's cotangent, -residual_vjp(solve_adjoint(y_bar))."""
-        op = self.implicit
-        lam = _checked(op, "solve_adjoint", comm, y_bar, y, *inputs)
-        _expect(op, comm, "solve_adjoint", "lam", lam, y_bar.shape, y_bar.dtype)
-        found = _checked(op, "residual_vjp", comm, lam, y, *inputs)
-        if not isinstance(found, tuple) or len(found) != len(inputs):
-            got = (f"a tuple of {len(found)}" if isinstance(found, tuple)
-                   else f"a {type(found).__name__}")
-            raise OperatorError(_say(op, "residual_vjp", comm,
-                                     f"returned {got}; expected a tuple with one array per "
-                                     f"input ({len(inputs)}), even for one input"))
-        pulled: list[np.ndarray | None] = []
-        for k, (bar, x) in enumerate(zip(found, inputs)):
-            if not jnp.issubdtype(x.dtype, jnp.inexact):
-                pulled.append(None)
-                continue
-            _expect(op, comm, "residual_vjp", f"input cotangent {k}", bar, batch + x.shape,
-                    x.dtype)
-            pulled.append(np.negative(bar))
-        return pulled
 
     def jvp(self, comm: Any, tangents: Any, y: np.ndarray, *inputs: np.ndarray) -> Any:
         op = self.implicit
@@ -297,6 +275,33 @@ class _State(DistributedOperator):
         return np.negative(z)
 
 
+def _pull_back(op: ImplicitOperator, comm: Any, y_bar: np.ndarray, y: np.ndarray,
+           inputs: Sequence[np.ndarray], batch: tuple[int, ...]) -> list:
+    """Pull `y_bar` back to the inputs through one adjoint solve.
+
+    **Returns:** each input's cotangent, -residual_vjp(solve_adjoint(y_bar)) (None for
+    an integer input), with the batch axes `batch`.
+    """
+    lam = _checked(op, "solve_adjoint", comm, y_bar, y, *inputs)
+    _expect(op, comm, "solve_adjoint", "lam", lam, y_bar.shape, y_bar.dtype)
+    found = _checked(op, "residual_vjp", comm, lam, y, *inputs)
+    if not isinstance(found, tuple) or len(found) != len(inputs):
+        got = (f"a tuple of {len(found)}" if isinstance(found, tuple)
+               else f"a {type(found).__name__}")
+        raise OperatorError(_say(op, "residual_vjp", comm,
+                                 f"returned {got}; expected a tuple with one array per "
+                                 f"input ({len(inputs)}), even for one input"))
+    pulled: list[np.ndarray | None] = []
+    for k, (bar, x) in enumerate(zip(found, inputs)):
+        if not inexact_dtype(x.dtype):
+            pulled.append(None)
+            continue
+        _expect(op, comm, "residual_vjp", f"input cotangent {k}", bar, batch + x.shape,
+                x.dtype)
+        pulled.append(np.negative(bar))
+    return pulled
+
+
 def _row(a: np.ndarray, k: int) -> np.ndarray:
     return a[0, ...] if a.shape[0] == 1 else a[k, ...]
 
@@ -304,7 +309,8 @@ def _row(a: np.ndarray, k: int) -> np.ndarray:
 def _checked(op: ImplicitOperator, method: str, comm: Any, *args: Any) -> Any:
     """Call a method of the user's, naming it in any error it raises."""
     try:
-        return getattr(op, method)(comm, *args)
+        # (the class's function: equinox's bound-method wrapper adds a frame per call)
+        return getattr(type(op), method)(op, comm, *args)
     except OperatorError:
         raise
     except Exception as err:
@@ -313,7 +319,9 @@ def _checked(op: ImplicitOperator, method: str, comm: Any, *args: Any) -> Any:
             text += (". The arrays a method receives are read-only by design: they are "
                      "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
                      "to change it")
-        raise OperatorError(_say(op, method, comm, text)) from err
+        # (one traceback, the user's frames in it: not a chain of two)
+        raise OperatorError(_say(op, method, comm, text)).with_traceback(
+            err.__traceback__) from None
 
 
 def _expect(op: ImplicitOperator, comm: Any, method: str, what: str, value: Any,

@@ -1347,16 +1347,12 @@ class Coupled(distop.ImplicitOperator):
         s = total[0] / (k + total[1])
         return (rhs - s[..., None]) / k
 
-    def _maybe_fail(self, comm, method):
-        if self.fail == method and comm.Get_rank() == comm.Get_size() - 1:
-            raise RuntimeError(f"{method} did not converge in 50 iterations")
-
     def solve(self, comm, b, k):
-        self._maybe_fail(comm, "solve")
+        _maybe_fail(self, comm, "solve")
         return self._solve(comm, b, k)
 
     def solve_adjoint(self, comm, y_bar, y, b, k):
-        self._maybe_fail(comm, "solve_adjoint")
+        _maybe_fail(self, comm, "solve_adjoint")
         return self._solve(comm, y_bar, k)
 
     def residual_vjp(self, comm, lam, y, b, k):
@@ -1365,6 +1361,11 @@ class Coupled(distop.ImplicitOperator):
         if self.fail == "residual_vjp" and comm.Get_rank() == comm.Get_size() - 1:
             return -lam[:, :-1], k_bar
         return -lam, k_bar
+
+
+def _maybe_fail(op, comm, method):
+    if op.fail == method and comm.Get_rank() == comm.Get_size() - 1:
+        raise RuntimeError(f"{method} did not converge in 50 iterations")
 
 
 @case("core")

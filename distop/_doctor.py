@@ -75,13 +75,13 @@ def threads(env: Mapping[str, str], cores: int) -> tuple[int, str]:
 
 def compress(numbers: Sequence[int]) -> str:
     """**Returns:** `numbers` as ranges: `0-3,8,10-11`."""
-    out: list[str] = []
+    spans: list[tuple[int, int]] = []
     for n in sorted(numbers):
-        if out and out[-1][1] == n - 1:
-            out[-1] = (out[-1][0], n)  # type: ignore[assignment]
+        if spans and spans[-1][1] == n - 1:
+            spans[-1] = (spans[-1][0], n)
         else:
-            out.append((n, n))  # type: ignore[arg-type]
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)  # type: ignore[misc]
+            spans.append((n, n))
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def facts(env: Mapping[str, str]) -> dict[str, Any]:

@@ -255,7 +255,7 @@ def trace_events(every: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> dict[s
                        "args": {"name": f"rank {rank}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"sort_index": rank}})
-        slices = []
+        slices: list[tuple[int, int, str, str, dict[str, Any]]] = []
         for r in runs:
             slices.append((r.start, r.end, r.entry, "program", {}))
         for c in calls:
@@ -361,8 +361,8 @@ def plot(report: Report, path: str) -> None:
     ax.set_xlabel("rank")
     ax.set_ylabel("time (ms)")
     ax.set_xticks(ranks)
-    ax.set_title(f"compute against wait per rank (slowest rank: {report.slowest_rank}, "
-                 f"imbalance {report.imbalance:.2f})")
+    ax.set_title(f"compute against wait per rank\nslowest rank: {report.slowest_rank}, "
+                 f"imbalance {report.imbalance:.2f}", fontsize="medium")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -8,10 +8,11 @@ into one host call (`16 calls`), and the host call of the first on its own, call
 directly (`HostCall`: distop's work around the method, without JAX). Each worker
 process times each per call (`run()` for the models), the median of many, with
 profiling never enabled (`off`) and inside `problem.profile()` (`on`). With
-`--baseline DIR` (a checkout of distop from before profiling, e.g. `git archive <commit> distop | tar -x -C DIR`), workers importing that
-code time the same calls (`before`), alternating with this checkout's workers, so the
-columns `off` and `before` compare the same work side by side. `on - off` per method
-call is what profiling costs per host call.
+`--baseline DIR` (a checkout of distop from before profiling, e.g.
+`git archive <commit> distop | tar -x -C DIR`), workers importing that code time the
+same calls (`before`), alternating with this checkout's workers, so the columns `off`
+and `before` compare the same work side by side. `on - off` per method call is what
+profiling costs per host call.
 """
 
 import argparse

@@ -5,7 +5,7 @@ import threading
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, _watchdog
+from . import _ffi, _profile, _watchdog
 from ._calls.host import take_error
 from ._compat import JaxRuntimeError
 from ._coordinator import Coordinator, offered, withdraw
@@ -56,6 +56,9 @@ class Executor:
     def _run(self, program: Program, point: dict) -> dict:
         """`__call__` without the translation of host calls' errors."""
         coordinator = self.coordinator
+        profile = _profile.active
+        if profile is not None:
+            profile.program_started(program.entry)
         coordinator.offer(program.ahead)
         try:
             *packed, token = program.fn(self.token, self.on_device(point), *program.extra)
@@ -70,6 +73,8 @@ class Executor:
         # call's error arrives here, in the token too, and every later program would
         # fail with it. (float() of a JAX array costs more than through numpy.)
         count = float(np.asarray(token))
+        if profile is not None:  # (the program has finished: its token is read)
+            profile.program_ended(program.entry)
         self.token = token
         if program.calls:
             self._count(program, count)

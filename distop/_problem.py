@@ -12,7 +12,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from . import _comm, _totals
+from . import _comm, _profile, _totals
 from ._arguments import FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from ._config import env_flag
 from ._coordinator import Coordinator
@@ -152,6 +152,22 @@ class Problem:
         Local: reading it never communicates, so any subset of ranks may do so.
         """
         return self._schedule
+
+    def profile(self) -> _profile.Profile:
+        """Record where each rank's time goes while the returned profile is active.
+
+        Use it as `with problem.profile() as prof:`; entering it is collective (one
+        barrier, so that every rank's clock starts together). While it is active every
+        host call records its method's time outside MPI calls (compute) and inside
+        them (wait: for peers, and the transfer), and every program run its wall time
+        once finished; the rest is JAX's time between host calls. Then, collectively:
+        `prof.report()` (a `Report`), `prof.print_report()` (its table, on rank 0),
+        `prof.write_trace(path)` (Chrome trace-event JSON, for Perfetto) and
+        `prof.plot(path)` (a PNG; needs `distop[plot]`). Off, profiling costs nothing.
+
+        **Returns:** the `Profile` (not yet active).
+        """
+        return _profile.Profile(self.comm)
 
     @_one_at_a_time
     def run(self, **inputs: Any) -> dict[str, np.ndarray]:

@@ -54,6 +54,7 @@ class Program:
     checker: _checking.Checker | None = None
     calls: int = 0  # lean host calls per run: each adds one to the token
     ahead: bool = False  # whether its first host call may make the ranks' agreement
+    entry: str = ""  # its entry point: `run`, `compute_totals` ... (for profiles)
     _extra: tuple[Any, ...] | None = None
     _plan: tuple[Any, ...] | None = None
 
@@ -247,7 +248,7 @@ class Programs:
         ahead = bool(calls) and checker is None and not jaxpr.jaxpr.effects and not \
             _ffi.anywhere(jaxpr.jaxpr.eqns, not_ahead)
         found = self.programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              len(calls), ahead)
+                                              len(calls), ahead, _entry_name(name, options))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
         return found
@@ -330,3 +331,10 @@ def not_ahead(eqn: JaxprEqn) -> bool:
     (see `Programs._new_program`)."""
     return eqn.primitive.name in NOT_AHEAD or (
         eqn.primitive.name == "distop_host_call" and not eqn.params["call"].lean)
+
+
+def _entry_name(name: str, options: Options) -> str:
+    """**Returns:** the entry point a program serves, as users call it."""
+    if isinstance(options, TotalsOptions) and options.with_values:
+        return "run_and_compute_totals"
+    return name

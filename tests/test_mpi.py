@@ -1,10 +1,15 @@
 """Multi-rank tests: each launch runs a group of cases from mpi_cases.py on 2 and 4 ranks."""
 
+import importlib.util
+import json
+import os
 import re
 import time
 
 import pytest
 from helpers import ROOT, TESTS, run_mpi
+
+from distop._profile_report import check_trace
 
 pytestmark = pytest.mark.mpi
 
@@ -94,3 +99,39 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
                       "if MPI.COMM_WORLD.rank == 1:\n    sys.exit(3)\nfinish()\n")
     code, out = run_mpi(2, script, timeout=60, expect_ok=False)
     assert code != 0 and "rank 1 of 2: ok" not in out, out
+
+
+@pytest.mark.parametrize("nprocs, slow", [(2, 1), (4, 2)])
+def test_load_imbalance_example_names_the_slow_rank(nprocs, slow, tmp_path):
+    trace, picture = tmp_path / "trace.json", tmp_path / "profile.png"
+    plot = nprocs == 2 and importlib.util.find_spec("matplotlib") is not None
+    code, out = run_mpi(nprocs, ROOT / "examples" / "load_imbalance.py", "--slow-rank", slow,
+                        "--factor", 4, "--repeat", 8, "--trace", trace,
+                        *(("--plot", picture) if plot else ()), expect_ok=False, timeout=180)
+    assert code == 0, out
+    assert re.search(rf"^slowest rank: {slow} ", out, re.MULTILINE), out
+    assert "check_totals: ok" in out and "wait in MPI on the other ranks" in out, out
+    document = json.loads(trace.read_text())
+    check_trace(document)
+    events = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    for rank in range(nprocs):  # one track per rank, each with its methods and waits
+        names = {e["name"] for e in events if e["pid"] == rank}
+        assert {"run", "compute_totals", "Gram.forward", "Gram.vjp", "Allreduce"} <= names
+    if plot:
+        assert picture.read_bytes()[:4] == b"\x89PNG"
+
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.mark.parametrize("nprocs, threads", [(2, 1), (4, 1), (2, "cores")])
+def test_doctor_under_mpiexec(nprocs, threads):
+    threads = _cores() if threads == "cores" else threads
+    code, out = run_mpi(nprocs, "-m", "distop", "doctor", expect_ok=False, timeout=120,
+                        env={"OMP_NUM_THREADS": str(threads)})
+    assert f"distop doctor: {nprocs} rank(s)" in out and "probe      ping-pong" in out, out
+    assert out.count("distop doctor:") == 1, out  # one screen, from rank 0
+    crowded = nprocs * threads > _cores()
+    assert code == (1 if crowded else 0), out
+    assert ("oversubscribed" in out) == crowded and ("healthy" in out) != crowded, out

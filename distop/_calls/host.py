@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _checking, _watchdog
+from .. import _checking, _profile, _watchdog
 from .._comm import checker
 from .._config import settings
 from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
@@ -227,9 +227,10 @@ class HostCall(HostCallable):
 
         **Returns:** the checked results (possibly `out`'s arrays themselves).
         """
+        profile = _profile.active  # (None unless profiling: nothing more to do)
         with self._watch:
             try:
-                comm: Any = self.guarded
+                comm: Any = self.guarded if profile is None else profile.started(self)
                 if self.checker is not None:
                     comm = _checking.CheckedComm(comm, self.checker, self.where)
                 if not self.batch_shape:
@@ -246,6 +247,8 @@ class HostCall(HostCallable):
                 if self.checker is not None:
                     self._check_declared(comm.issued)
                     self.checker.agree(("finished", self.where))
+                if profile is not None:
+                    profile.ended(self)
                 return results
             except BaseException as err:  # noqa: BLE001 - every failure must be reported
                 _fail(self, err)

@@ -1,0 +1,98 @@
+"""mpiexec -n 4 python examples/load_imbalance.py --slow-rank 1 --factor 4
+
+Uneven data, found by a profile: every rank holds rows of a matrix A and the operator
+computes the Gram product y = sum over ranks of A_r^T (A_r x), but rank `--slow-rank`
+holds `--factor` times as many rows as the others. Every rank meets the others in
+the Allreduce, so the fast ranks wait there for the slow one. The profile's report
+(rank 0 prints its table and a line `slowest rank: R`) names the slow rank and the
+wait on the others.
+
+Options: --slow-rank R (default: the last rank), --factor F (default 4), --rows N
+(rows per ordinary rank, default 4000), --size M (the length of x, default 48),
+--repeat K (profiled calls of run and compute_totals, default 10), --trace out.json
+(a Chrome trace for https://ui.perfetto.dev), --plot out.png (needs matplotlib:
+`pip install 'distop[plot]'`).
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+import distop
+
+jax.config.update("jax_enable_x64", True)
+
+
+class Gram(distop.DistributedOperator):
+    """y = sum over ranks r of A_r^T (A_r x): x and y replicated, A_r this rank's rows.
+    Symmetric, so its vjp is itself."""
+
+    a_local: np.ndarray
+    forward_collectives = vjp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        local = self.a_local.T @ (self.a_local @ x)  # the work: 4 x rows x M flops
+        out = np.empty_like(local)
+        comm.Allreduce(local, out, op=MPI.SUM)  # where the fast ranks wait
+        return out
+
+    def vjp(self, comm, y_bar, x):
+        return self.forward(comm, y_bar)
+
+
+def rows(rank, slow_rank, factor, base):
+    """**Returns:** the number of rows `rank` holds."""
+    return base * factor if rank == slow_rank else base
+
+
+def main(argv=None):
+    comm = MPI.COMM_WORLD
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--slow-rank", type=int, default=comm.size - 1)
+    parser.add_argument("--factor", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=4000)
+    parser.add_argument("--size", type=int, default=48)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--trace")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    if not 0 <= args.slow_rank < comm.size:
+        parser.error(f"--slow-rank {args.slow_rank}: expected a rank of 0..{comm.size - 1}")
+    m = args.size
+    n = rows(comm.rank, args.slow_rank, args.factor, args.rows)
+    a_local = np.random.default_rng(comm.rank).standard_normal((n, m)) / np.sqrt(n)
+    gram = Gram(a_local)
+    x0 = np.linspace(-1.0, 1.0, m)
+    problem = distop.Problem(lambda x: {"f": 0.5 * jnp.sum(gram(x) ** 2)}, {"x": x0})
+    # the operator's derivatives are right (before profiling: this is many runs)
+    checks = problem.check_totals(out_stream=None, rtol=1e-5, atol=1e-7)
+    ok = all(c.ok for c in checks.values())
+    problem.run(), problem.compute_totals()  # compiled before the profile
+    with problem.profile() as prof:
+        for _ in range(args.repeat):
+            problem.run()
+            problem.compute_totals()
+    report = prof.print_report()
+    waits = report.wait * 1e3
+    if comm.rank == 0:
+        others = [r for r in range(comm.size) if r != report.slowest_rank]
+        every = [rows(r, args.slow_rank, args.factor, args.rows) for r in range(comm.size)]
+        print(f"rows per rank: {every}")
+        if others:
+            print("wait in MPI on the other ranks (ms): "
+                  + ", ".join(f"rank {r}: {waits[r]:.3g}" for r in others))
+        print(f"check_totals: {'ok' if ok else 'FAILED'}", flush=True)
+    if args.trace:
+        prof.write_trace(args.trace)
+    if args.plot:
+        prof.plot(args.plot)
+    if comm.rank == 0 and (args.trace or args.plot):
+        print("wrote " + " and ".join(p for p in (args.trace, args.plot) if p), flush=True)
+    return 0 if comm.allreduce(ok, op=MPI.LAND) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,6 +27,12 @@ def without_batch(x: np.ndarray, batched: bool) -> np.ndarray:
     return x if batched else x[0]
 
 
+def as_rows(x: np.ndarray, batched: bool) -> np.ndarray:
+    """**Returns:** `x` as a (B, n, ...) block; a 0-d value per rank as one row."""
+    x = with_batch(x, batched)
+    return x[:, None] if x.ndim == 1 else x
+
+
 def rows_first(block: np.ndarray) -> np.ndarray:
     """**Returns:** a (B, n, ...) block as a C-contiguous (n, B, ...) array, whose rows
     are each one contiguous piece of memory (what a v-collective counts in)."""

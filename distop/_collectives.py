@@ -12,7 +12,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._blocks import even_counts, gather_blocks, transpose_blocks, with_batch, without_batch
+from ._blocks import (
+    as_rows,
+    even_counts,
+    gather_blocks,
+    transpose_blocks,
+    with_batch,
+    without_batch,
+)
 from ._comm import private
 from ._operator import DistributedOperator
 from ._runtime import mpi
@@ -42,12 +49,6 @@ class AllreduceSum(DistributedOperator):
         return self.forward(comm, x_dot)
 
 
-def _as_rows(x: np.ndarray, batched: bool) -> np.ndarray:
-    """**Returns:** `x` as a (B, n, ...) block; a 0-d value per rank as one row."""
-    x = with_batch(x, batched)
-    return x[:, None] if x.ndim == 1 else x
-
-
 class Allgather(DistributedOperator):
     """Distributed (n_r, ...) in, replicated (N, ...) out. Its VJP keeps this rank's
     rows of the full cotangent (no communication); its JVP gathers the tangents.
@@ -70,11 +71,11 @@ class Allgather(DistributedOperator):
         return jax.ShapeDtypeStruct((total,) + tuple(x.shape[1:]), x.dtype)
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
-        return without_batch(gather_blocks(comm, _as_rows(x, batched)), batched)
+        return without_batch(gather_blocks(comm, as_rows(x, batched)), batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
-        n = _as_rows(x, batched).shape[1]
+        n = as_rows(x, batched).shape[1]
         start = sum(comm.allgather(n)[:comm.Get_rank()])
         mine = with_batch(y_bar, batched)[:, start:start + n]
         if x.ndim == (1 if batched else 0):  # a 0-d value per rank: its one row

@@ -1791,5 +1791,28 @@ def halo_exchanges_in_forward_and_reverse_mode():
     check_collectives(cases, p)
 
 
+@case("collectives")
+def a_stencil_on_a_halo_in_a_problem_with_distributed_input_and_output():
+    xg = np.linspace(0.3, 1.4, ROWS)
+
+    def stencil(h):
+        return h[:-2] * h[1:-1] + jnp.sin(h[2:])
+
+    def model(x):
+        y = stencil(distop.HaloExchange(boundary="periodic")(x))
+        return {"y": y, "f": distop.AllreduceSum()(jnp.sum(y ** 2))}
+
+    def dense(x):
+        y = stencil(jnp.pad(x, 1, mode="wrap"))
+        return {"y": y, "f": jnp.sum(y ** 2)}
+
+    problem = distop.Problem(model, {"x": xg[STARTS[rank]:STARTS[rank] + BLOCKS[rank]]},
+                             distributed=["x", "y"])
+    J, expected = problem.compute_totals(), jax.jacrev(dense)(xg)
+    all_close_everywhere(comm, J["y", "x"], expected["y"], atol=1e-14)
+    all_close_everywhere(comm, J["f", "x"], expected["f"][None], atol=1e-14)
+    assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
 if __name__ == "__main__":
     run_cases([fn for group in sys.argv[1:] for fn in CASES[group]])

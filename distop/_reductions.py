@@ -35,7 +35,8 @@ class Allreduce(DistributedOperator):
     - `"sum"`: as `AllreduceSum`.
     - `"max"`, `"min"`: all of an element's derivative goes to the rank holding the
       extreme; where several ranks hold it (a tie), to the lowest of them, on every
-      rank alike. The others get zero. Real values only.
+      rank alike. The others get zero (all of them where the extreme is NaN). Real
+      values only.
     - `"prod"`: the cotangent times the product of the other ranks' values, computed
       without division, so exact where some values are zero.
 

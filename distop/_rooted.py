@@ -20,6 +20,8 @@ from ._runtime import mpi
 
 
 def _check_root(name: str, root: int, comm: Any) -> None:
+    """Refuse a root that is not a rank of `comm` (when the program is traced, on every
+    rank alike), naming the operator `name`."""
     size = private(comm).Get_size()
     if not 0 <= root < size:
         raise ValueError(f"{name}(root={root}): expected a rank of the communicator, "
@@ -28,16 +30,33 @@ def _check_root(name: str, root: int, comm: Any) -> None:
 
 def _scatter_rows(comm: Any, full: np.ndarray | None, counts: list[int], root: int,
                   out: np.ndarray) -> None:
-    """Scatter the root's (N, ...) `full` (ignored elsewhere) into every rank's `out`,
-    (counts[r], ...): rows split by `counts`."""
+    """Scatter the root's rows into every rank's block.
+
+    **Arguments:**
+    - `comm`: the communicator (declare `Scatterv`).
+    - `full`: the root's (N, ...) rows, one contiguous piece of memory each (ignored
+      elsewhere).
+    - `counts`: the rows per rank.
+    - `root`: the root.
+    - `out`: this rank's (counts[r], ...) block, filled in place.
+    """
     unit = int(np.prod(out.shape[1:], dtype=np.int64))
     send = [full, [c * unit for c in counts]] if comm.Get_rank() == root else None
     comm.Scatterv(send, out, root=root)
 
 
 def _gather_rows(comm: Any, rows: np.ndarray, counts: list[int], root: int) -> np.ndarray:
-    """**Returns:** on the root, every rank's (counts[r], ...) `rows` one after the
-    other, (N, ...); zeros of that shape elsewhere."""
+    """Gather every rank's rows on the root.
+
+    **Arguments:**
+    - `comm`: the communicator (declare `Gatherv`).
+    - `rows`: this rank's (counts[r], ...) rows, C-contiguous.
+    - `counts`: the rows per rank.
+    - `root`: the root.
+
+    **Returns:** on the root, every rank's rows one after the other, (N, ...); zeros of
+    that shape elsewhere.
+    """
     unit = int(np.prod(rows.shape[1:], dtype=np.int64))
     out = np.zeros((sum(counts),) + rows.shape[1:], rows.dtype)
     recv = [out, [c * unit for c in counts]] if comm.Get_rank() == root else None

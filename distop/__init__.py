@@ -19,10 +19,17 @@ from ._errors import MPIUnavailableError as MPIUnavailableError
 from ._errors import OperatorError as OperatorError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._errors import SecondDerivativeError as SecondDerivativeError
+from ._halo import HaloExchange as HaloExchange
 from ._implicit import ImplicitOperator as ImplicitOperator
 from ._operator import DistributedOperator as DistributedOperator
 from ._problem import Problem as Problem
 from ._problem import empty as empty
+from ._reductions import Allreduce as Allreduce
+from ._reductions import Exscan as Exscan
+from ._reductions import Scan as Scan
+from ._rooted import Gather as Gather
+from ._rooted import Reduce as Reduce
+from ._rooted import Scatter as Scatter
 from ._schedule import ScheduleEntry as ScheduleEntry
 from ._totals import TotalsCheck as TotalsCheck
 from ._totals import shard as shard

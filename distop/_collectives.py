@@ -7,65 +7,33 @@ rank; its cotangent is this rank's), *distributed* (each rank holds a block alon
 costs one collective.
 """
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._blocks import (
+    as_rows,
+    even_counts,
+    gather_blocks,
+    transpose_blocks,
+    with_batch,
+    without_batch,
+)
 from ._comm import private
 from ._operator import DistributedOperator
 from ._runtime import mpi
 
 
-def _even_counts(total: int, parts: int) -> list[int]:
-    base, extra = divmod(int(total), parts)
-    return [base + (r < extra) for r in range(parts)]
-
-
-def _gather_blocks(comm: Any, block: np.ndarray) -> np.ndarray:
-    """(B, n_r, ...) on every rank -> (B, N, ...) on every rank (uneven blocks)."""
-    counts = comm.allgather(block.shape[1])
-    moved = np.ascontiguousarray(np.moveaxis(block, 1, 0))  # blocks contiguous per rank
-    tail = int(np.prod(moved.shape[1:]))
-    out = np.empty((sum(counts),) + moved.shape[1:], block.dtype)
-    comm.Allgatherv(moved, [out, [c * tail for c in counts]])
-    return np.ascontiguousarray(np.moveaxis(out, 0, 1))
-
-
-def _transpose_blocks(comm: Any, a: np.ndarray, out_counts: Sequence[int]) -> np.ndarray:
-    """The distributed transpose: `a` is (B, n_r, C), this rank's rows of a global
-    (B, R, C); returns (B, out_counts[r], R), this rank's rows of its transpose."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    row_counts = comm.allgather(a.shape[1])
-    cols = np.cumsum([0] + list(out_counts))
-    batch = a.shape[0]
-    send = np.concatenate([a[:, :, cols[s]:cols[s + 1]].ravel() for s in range(size)])
-    send_counts = [batch * a.shape[1] * out_counts[s] for s in range(size)]
-    recv_counts = [batch * row_counts[q] * out_counts[rank] for q in range(size)]
-    recv = np.empty(sum(recv_counts), a.dtype)
-    comm.Alltoallv([send, send_counts], [recv, recv_counts])
-    pieces = np.split(recv, np.cumsum(recv_counts)[:-1])
-    stacked = np.concatenate([p.reshape(batch, row_counts[q], out_counts[rank])
-                              for q, p in enumerate(pieces)], axis=1)  # (B, R, m_r)
-    return np.ascontiguousarray(stacked.transpose(0, 2, 1))
-
-
-def _batch(x: np.ndarray, batched: bool) -> np.ndarray:
-    return x if batched else x[None]
-
-
-def _unbatch(x: np.ndarray, batched: bool) -> np.ndarray:
-    return x if batched else x[0]
-
-
 class AllreduceSum(DistributedOperator):
     """s = sum over ranks of x_r: rank-local in, replicated out. Its VJP hands every rank
-    the full output cotangent (no communication)."""
+    the full output cotangent (no communication); its JVP sums the tangents."""
 
     forward_collectives = ("Allreduce",)
+    jvp_collectives = ("Allreduce",)
     batched_forward = True
     batched_vjp = True
+    batched_jvp = True
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         out = np.empty_like(x)
@@ -76,39 +44,54 @@ class AllreduceSum(DistributedOperator):
             batched: bool = False) -> np.ndarray:
         return s_bar.copy()
 
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot)
+
 
 class Allgather(DistributedOperator):
     """Distributed (n_r, ...) in, replicated (N, ...) out. Its VJP keeps this rank's
-    rows of the full cotangent (no communication).
+    rows of the full cotangent (no communication); its JVP gathers the tangents.
 
-    Finding N takes one small collective while the program is traced, which every rank
-    does at the same point of the same program.
+    A 0-d value per rank counts as one row: the output is then the (size,) vector of
+    every rank's value. Finding N takes one small collective while the program is
+    traced, which every rank does at the same point of the same program.
     """
 
     forward_collectives = ("Allgather", "Allgatherv")
     vjp_collectives = ("Allgather",)
+    jvp_collectives = ("Allgather", "Allgatherv")
     batched_forward = True
     batched_vjp = True
+    batched_jvp = True
 
     def output_spec(self, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        total = sum(private(self.comm).allgather(x.shape[0]))
+        rows = x.shape[0] if len(x.shape) else 1
+        total = sum(private(self.comm).allgather(rows))
         return jax.ShapeDtypeStruct((total,) + tuple(x.shape[1:]), x.dtype)
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
-        return _unbatch(_gather_blocks(comm, _batch(x, batched)), batched)
+        return without_batch(gather_blocks(comm, as_rows(x, batched)), batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
-        n = _batch(x, batched).shape[1]
+        n = as_rows(x, batched).shape[1]
         start = sum(comm.allgather(n)[:comm.Get_rank()])
-        return _unbatch(np.ascontiguousarray(_batch(y_bar, batched)[:, start:start + n]),
-                        batched)
+        mine = with_batch(y_bar, batched)[:, start:start + n]
+        if x.ndim == (1 if batched else 0):  # a 0-d value per rank: its one row
+            mine = mine[:, 0]
+        return without_batch(np.ascontiguousarray(mine), batched)
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot, batched=batched)
 
 
 class Split(DistributedOperator):
     """Replicated (N, ...) in, distributed out: rank r keeps rows
     [start_r, start_r + counts[r]). Its VJP gathers the cotangent blocks into the full
-    cotangent on every rank (Allgatherv).
+    cotangent on every rank (Allgatherv); its JVP keeps this rank's rows of the tangent
+    (no communication).
 
     Fields: `counts`, rows per rank (default: as even as possible, earlier ranks first).
     """
@@ -117,11 +100,12 @@ class Split(DistributedOperator):
     vjp_collectives = ("Allgather", "Allgatherv")
     batched_forward = True
     batched_vjp = True
+    batched_jvp = True
 
     def rows(self, size: int, total: int) -> list[int]:
         """**Returns:** the rows per rank for `size` ranks and `total` rows."""
         counts = (list(self.counts) if self.counts is not None
-                  else _even_counts(total, size))
+                  else even_counts(total, size))
         if len(counts) != size or sum(counts) != total or min(counts) < 0:
             raise ValueError(f"Split(counts={counts}): needs one count >= 0 per rank "
                              f"({size}) adding up to the {total} rows of the input.")
@@ -133,20 +117,25 @@ class Split(DistributedOperator):
         return jax.ShapeDtypeStruct((counts[comm.Get_rank()],) + tuple(x.shape[1:]), x.dtype)
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
-        x = _batch(x, batched)
+        x = with_batch(x, batched)
         counts = self.rows(comm.Get_size(), x.shape[1])
         start = sum(counts[:comm.Get_rank()])
-        return _unbatch(np.ascontiguousarray(x[:, start:start + counts[comm.Get_rank()]]),
-                        batched)
+        return without_batch(np.ascontiguousarray(x[:, start:start + counts[comm.Get_rank()]]),
+                             batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
-        return _unbatch(_gather_blocks(comm, _batch(y_bar, batched)), batched)
+        return without_batch(gather_blocks(comm, with_batch(y_bar, batched)), batched)
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot, batched=batched)
 
 
 class Alltoall(DistributedOperator):
     """The distributed transpose: a 2-D array split by rows, (n_r, M) on rank r, in;
-    the row blocks of its transpose, (m_r, N), out. Its VJP is the transpose back.
+    the row blocks of its transpose, (m_r, N), out. Its VJP is the transpose back; its
+    JVP the transpose of the tangent.
 
     Fields: `counts`, how the M columns are split into output rows per rank (default: as
     even as possible).
@@ -155,8 +144,10 @@ class Alltoall(DistributedOperator):
     counts: tuple[int, ...] | None = None
     forward_collectives = ("Allgather", "Alltoallv")
     vjp_collectives = ("Allgather", "Alltoallv")
+    jvp_collectives = ("Allgather", "Alltoallv")
     batched_forward = True
     batched_vjp = True
+    batched_jvp = True
 
     def _out_counts(self, size: int, columns: int) -> list[int]:
         return Split(counts=self.counts).rows(size, columns)
@@ -171,27 +162,35 @@ class Alltoall(DistributedOperator):
         return jax.ShapeDtypeStruct((m, total_rows), x.dtype)
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
-        x = _batch(x, batched)
+        x = with_batch(x, batched)
         counts = self._out_counts(comm.Get_size(), x.shape[2])
-        return _unbatch(_transpose_blocks(comm, x, counts), batched)
+        return without_batch(transpose_blocks(comm, x, counts), batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
         x_rows = comm.allgather(x.shape[1] if batched else x.shape[0])
-        return _unbatch(_transpose_blocks(comm, _batch(y_bar, batched), x_rows), batched)
+        return without_batch(transpose_blocks(comm, with_batch(y_bar, batched), x_rows),
+                             batched)
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot, batched=batched)
 
 
 class Broadcast(DistributedOperator):
     """The root's value, replicated on every rank: rank-local in (only the root's
-    matters), replicated out. Its VJP gives the root the full cotangent, zeros elsewhere.
+    matters), replicated out. Its VJP gives the root the full cotangent, zeros elsewhere;
+    its JVP broadcasts the root's tangent.
 
     Fields: `root` (default 0).
     """
 
     root: int = 0
     forward_collectives = ("Bcast",)
+    jvp_collectives = ("Bcast",)
     batched_forward = True
     batched_vjp = True
+    batched_jvp = True
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         out = np.array(x, copy=True)
@@ -202,10 +201,14 @@ class Broadcast(DistributedOperator):
             batched: bool = False) -> np.ndarray:
         return y_bar.copy() if comm.Get_rank() == self.root else np.zeros_like(y_bar)
 
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot)
+
 
 class RankLocal(DistributedOperator):
-    """A replicated value viewed as rank-local: the identity forward; the VJP sums the
-    per-rank cotangents (Allreduce) into the full one.
+    """A replicated value viewed as rank-local: the identity forward and JVP; the VJP
+    sums the per-rank cotangents (Allreduce) into the full one.
 
     Use it where replicated data enters rank-dependent code (a `jnp.where` on the rank,
     a per-rank weight): each rank's cotangent is then only its share, and the sum makes
@@ -215,6 +218,7 @@ class RankLocal(DistributedOperator):
     vjp_collectives = ("Allreduce",)
     batched_forward = True
     batched_vjp = True
+    batched_jvp = True
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         return x.copy()
@@ -224,3 +228,7 @@ class RankLocal(DistributedOperator):
         out = np.empty_like(x_bar)
         comm.Allreduce(x_bar, out, op=mpi().SUM)
         return out
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return x_dot.copy()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-@pytest.mark.parametrize("group", ["core", "matvec", "linalg"])
+@pytest.mark.parametrize("group", ["core", "matvec", "linalg", "collectives"])
 def test_cases(group, nprocs):
     run_mpi(nprocs, TESTS / "mpi_cases.py", group, timeout=300)
 

@@ -1,0 +1,170 @@
+"""Built-in reductions over ranks: `Allreduce` with any of sum, max, min and prod, and
+the prefix sums `Scan` and `Exscan`.
+
+All take a rank-local value, the same shape on every rank, and reduce elementwise
+across the ranks. The value kinds and cotangent conventions are those of
+`_collectives.py`.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._operator import DistributedOperator
+from ._runtime import mpi
+
+_OPS = ("sum", "max", "min", "prod")
+
+
+def _others_product(comm: Any, x: np.ndarray) -> np.ndarray:
+    """**Returns:** per element, the product of every other rank's x (exact where some
+    are zero: no division)."""
+    every = np.empty((comm.Get_size(),) + x.shape, x.dtype)
+    comm.Allgather(np.ascontiguousarray(x), every)
+    rank = comm.Get_rank()
+    return np.prod(every[:rank], axis=0) * np.prod(every[rank + 1:], axis=0)
+
+
+class Allreduce(DistributedOperator):
+    """y = the elementwise sum, maximum, minimum or product over ranks of x_r:
+    rank-local in, replicated out.
+
+    Derivatives (each rank gets the derivative of y with respect to its own x_r):
+    - `"sum"`: as `AllreduceSum`.
+    - `"max"`, `"min"`: all of an element's derivative goes to the rank holding the
+      extreme; where several ranks hold it (a tie), to the lowest of them, on every
+      rank alike. The others get zero (all of them where the extreme is NaN). Real
+      values only.
+    - `"prod"`: the cotangent times the product of the other ranks' values, computed
+      without division, so exact where some values are zero.
+
+    The VJP of max and min issues two Allreduces (the extreme and the rank that owns
+    it), the JVP three; prod gathers every rank's value (Allgather).
+
+    **Arguments:**
+    - `op`: `"sum"` (default), `"max"`, `"min"` or `"prod"`.
+    """
+
+    op: str = "sum"
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce", "Allgather")
+    jvp_collectives = ("Allreduce", "Allgather")
+    batched_forward = True
+    batched_vjp = True
+    batched_jvp = True
+
+    def __check_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ValueError(f"Allreduce(op={self.op!r}): expected one of {list(_OPS)}.")
+
+    def output_spec(self, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        if self.op in ("max", "min") and jnp.issubdtype(x.dtype, jnp.complexfloating):
+            raise TypeError(f"Allreduce(op={self.op!r}) got a {x.dtype} value: complex "
+                            "numbers have no order. Reduce their real part or their "
+                            "modulus instead.")
+        return x
+
+    def _mpi_op(self) -> Any:
+        return getattr(mpi(), self.op.upper())
+
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=self._mpi_op())
+        return out
+
+    def _owns(self, comm: Any, x: np.ndarray) -> np.ndarray:
+        """**Returns:** per element of x, whether this rank is the lowest one holding
+        the extreme."""
+        rank = comm.Get_rank()
+        extreme = self.forward(comm, x)
+        holds = np.where(x == extreme, rank, comm.Get_size()).astype(np.int64)
+        lowest = np.empty_like(holds)
+        comm.Allreduce(holds, lowest, op=mpi().MIN)
+        return lowest == rank
+
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        if self.op == "sum":
+            return y_bar.copy()
+        if self.op == "prod":
+            return y_bar * _others_product(comm, x)
+        return np.where(self._owns(comm, x), y_bar, np.zeros((), y_bar.dtype))
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        if self.op == "sum":
+            share = x_dot
+        elif self.op == "prod":
+            share = x_dot * _others_product(comm, x)
+        else:
+            share = np.where(self._owns(comm, x), x_dot, np.zeros((), x_dot.dtype))
+        out = np.empty_like(share)
+        comm.Allreduce(np.ascontiguousarray(share), out, op=mpi().SUM)
+        return out
+
+
+def _suffix_sum(comm: Any, y_bar: np.ndarray, inclusive: bool) -> np.ndarray:
+    """**Returns:** the sum of `y_bar` over this rank (if `inclusive`) and every later
+    one: the reverse prefix sum, the transpose of a prefix sum."""
+    every = np.empty((comm.Get_size(),) + y_bar.shape, y_bar.dtype)
+    comm.Allgather(np.ascontiguousarray(y_bar), every)
+    first = comm.Get_rank() + (0 if inclusive else 1)
+    return np.ascontiguousarray(np.sum(every[first:], axis=0))
+
+
+class Scan(DistributedOperator):
+    """y_r = x_0 + ... + x_r, the inclusive prefix sum over ranks: rank-local in,
+    rank-local out. Its VJP is the reverse prefix sum, x_bar_r = y_bar_r + ... +
+    y_bar_(size-1) (an Allgather of the cotangents); its JVP the prefix sum of the
+    tangents."""
+
+    forward_collectives = ("Scan",)
+    vjp_collectives = ("Allgather",)
+    jvp_collectives = ("Scan",)
+    batched_forward = True
+    batched_vjp = True
+    batched_jvp = True
+
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
+        out = np.empty_like(x)
+        comm.Scan(x, out, op=mpi().SUM)
+        return out
+
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return _suffix_sum(comm, y_bar, inclusive=True)
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot)
+
+
+class Exscan(DistributedOperator):
+    """y_r = x_0 + ... + x_(r-1), the exclusive prefix sum over ranks (zeros on rank
+    0): rank-local in, rank-local out. Its VJP is the exclusive reverse prefix sum,
+    x_bar_r = y_bar_(r+1) + ... + y_bar_(size-1) (an Allgather of the cotangents); its
+    JVP the exclusive prefix sum of the tangents."""
+
+    forward_collectives = ("Exscan",)
+    vjp_collectives = ("Allgather",)
+    jvp_collectives = ("Exscan",)
+    batched_forward = True
+    batched_vjp = True
+    batched_jvp = True
+
+    def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
+        out = np.zeros_like(x)
+        comm.Exscan(x, out, op=mpi().SUM)
+        if comm.Get_rank() == 0:  # (MPI leaves rank 0's result undefined)
+            out[...] = 0
+        return out
+
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return _suffix_sum(comm, y_bar, inclusive=False)
+
+    def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        return self.forward(comm, x_dot)

@@ -17,14 +17,13 @@ import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ._calls.host import inexact_dtype
 from ._comm import private
 from ._errors import MissingMethodError, OperatorError
-from ._operator import DistributedOperator, apply, explicit_order
+from ._operator import DistributedOperator, apply, as_arrays, explicit_order
 
 _METHODS = {
     "solve": "solve(self, comm, *inputs), which every implicit operator needs",
@@ -161,13 +160,7 @@ def solve_implicit(op: ImplicitOperator, inputs: Sequence[Any]) -> Any:
     """
     solve, state = _wrappers(type(op))
     fields = {"comm": op.comm, "ordered": op.ordered}
-    arrays = []
-    for k, x in enumerate(inputs):
-        try:
-            arrays.append(jnp.asarray(x))
-        except TypeError as err:
-            raise TypeError(f"{type(op).__name__}(...): input {k} is a {type(x).__name__}, "
-                            "not an array; pass jax or numpy arrays or numbers.") from err
+    arrays = as_arrays(type(op).__name__, inputs)
     # The solve itself carries no derivative: `state` gives y's, from the adjoint.
     y = apply(solve(op, **fields), [lax.stop_gradient(x) for x in arrays])
     if isinstance(y, tuple):

@@ -163,6 +163,27 @@ class DistributedOperator(eqx.Module):
         return self is other
 
 
+def as_arrays(name: str, inputs: Sequence[Any]) -> list[Any]:
+    """An operator call's inputs as JAX arrays.
+
+    **Arguments:**
+    - `name`: the operator's class name, for the message.
+    - `inputs`: arrays or scalars.
+
+    **Returns:** one JAX array per input.
+
+    **Raises:** `TypeError` naming the input that is not an array or a number.
+    """
+    arrays = []
+    for k, x in enumerate(inputs):
+        try:
+            arrays.append(jnp.asarray(x))
+        except TypeError as err:
+            raise TypeError(f"{name}(...): input {k} is a {type(x).__name__}, not an "
+                            "array; pass jax or numpy arrays or numbers.") from err
+    return arrays
+
+
 def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     """Call `op` on JAX values through one distop host-call primitive per call.
 
@@ -176,13 +197,7 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     if type(op).forward is DistributedOperator.forward:
         raise MissingMethodError(f"{name} does not implement forward(self, comm, *inputs), "
                                  "which every operator needs.")
-    arrays = []
-    for k, x in enumerate(inputs):
-        try:
-            arrays.append(jnp.asarray(x))
-        except TypeError as err:
-            raise TypeError(f"{name}(...): input {k} is a {type(x).__name__}, not an "
-                            "array; pass jax or numpy arrays or numbers.") from err
+    arrays = as_arrays(name, inputs)
     in_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     out_specs = type(op).output_spec(op, *in_specs)  # class-level: no bound-method wrap
     several = isinstance(out_specs, (tuple, list))

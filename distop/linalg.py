@@ -218,6 +218,18 @@ class _Solve:
         (rr,) = self.sum([self.dot(r, r)], failure or failure_ax)
         return r, math.sqrt(rr) if rr >= 0 else math.nan
 
+    def initial(self, b: np.ndarray, x0: np.ndarray | None,
+                ) -> tuple[np.ndarray, np.ndarray, float]:
+        """The starting point of an iteration.
+
+        **Returns:** (x, this rank's block of b - A x, its global 2-norm), from x0, or
+        from zero where `x0` is None (no product needed then).
+        """
+        if x0 is None:
+            return np.zeros_like(b), b.copy(), self.b_norm
+        r, r_norm = self.residual(b, x0)
+        return x0, r, r_norm
+
     def end(self, x: np.ndarray, iterations: int, residual_norm: float,
             why: str | None, fix: str, raise_on_failure: bool) -> SolveResult:
         """The verdict on the ranks alike: a result, or a `ConvergenceError`.
@@ -299,11 +311,7 @@ def cg(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None, *,
            "gmres for a non-symmetric or indefinite operator")
     if solve.b_norm == 0.0:
         return SolveResult(np.zeros_like(b), 0, 0.0, True)
-    if x0 is None:
-        x, r, r_norm = np.zeros_like(b), b.copy(), solve.b_norm
-    else:
-        x = x0
-        r, r_norm = solve.residual(b, x)
+    x, r, r_norm = solve.initial(b, x0)
     direct = True  # r is b - A x computed directly, not by the recurrence
     restart = True  # p starts again from the preconditioned residual
     iterations, why = 0, None
@@ -397,11 +405,7 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
            "or raise restart")
     if solve.b_norm == 0.0:
         return SolveResult(np.zeros_like(b), 0, 0.0, True)
-    if x0 is None:
-        x, r, r_norm = np.zeros_like(b), b.copy(), solve.b_norm
-    else:
-        x = x0
-        r, r_norm = solve.residual(b, x)
+    x, r, r_norm = solve.initial(b, x0)
     eps = float(np.finfo(solve.dtype).eps)
     basis = np.empty((int(restart) + 1, solve.n), solve.dtype)
     iterations, why = 0, None

@@ -229,6 +229,7 @@ _FAILED = re.compile(r"(?:[\w.]+: )?([A-Za-z_]\w*\.[A-Za-z_]\w*) on rank \d+: ")
 _runtime_comm: Any = None  # the runtime's own communicator, once attached
 _listener: "_Listener | None" = None
 _heard: list["_Notice"] = []  # the notices received, in order of arrival
+_arrived: dict[int, float] = {}  # rank -> when its first notice arrived (monotonic)
 _reporting = False  # this rank reports a failure: its listener prints nothing
 _said = False  # this rank printed its line on another rank's failure
 _said_lock = threading.Lock()  # (the listener's thread may say it too)
@@ -289,9 +290,11 @@ def _first(mine: _Notice, size: int) -> _Notice | None:
     """Wait for the notices of other ranks failing at the same time as this one.
 
     A rank that failed on its own waits for the lower ranks, at most `NOTICE_WAIT`
-    seconds. A rank whose error reports a failure elsewhere waits for the rank that
-    failed, at most `ELSEWHERE_WAIT` seconds (it may be busy printing, or slow), and for
-    no one once every other rank has sent its notice.
+    seconds, or as long as the lowest rank heard to fail alike waits for its own lower
+    ranks (it defers to one of them failing alike meanwhile). A rank whose error reports
+    a failure elsewhere waits for the rank that failed, at most `ELSEWHERE_WAIT` seconds
+    (it may be busy printing, or slow), and for no one once every other rank has sent
+    its notice.
 
     **Arguments:**
     - `mine`: this rank's own notice.
@@ -308,9 +311,13 @@ def _first(mine: _Notice, size: int) -> _Notice | None:
                 return origin
         same = _lowest(h for h in heard if h.rank < mine.rank and h.own == mine.own
                        and h.same == mine.same)
-        if mine.own and same is not None:
-            return same
         ranks = {h.rank for h in heard}
+        if mine.own and same is not None:
+            if set(range(same.rank)) <= ranks:  # no rank below it can fail alike unheard
+                return same
+            # That rank waits for the ranks below it as long as this one may, and defers
+            # to one of them that fails alike meanwhile: so wait as long as it does.
+            deadline = max(deadline, _arrived.get(same.rank, 0.0) + NOTICE_WAIT + 0.5)
         done = (len(ranks & set(range(mine.rank))) == mine.rank if mine.own
                 else len(ranks) >= size - 1)
         if done or time.monotonic() > deadline:
@@ -427,6 +434,7 @@ class _Listener:
                 except (ValueError, TypeError):  # (cut short: the sender's own words stand)
                     notice = _Notice(status.Get_source(), True, "", "failed")
                 _heard.append(notice)
+                _arrived.setdefault(notice.rank, time.monotonic())
                 if notice.own:
                     since = min(since, time.monotonic())
             # A rank not reporting a failure itself names the failed rank that prints its

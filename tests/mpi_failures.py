@@ -5,6 +5,7 @@ operator (tests/test_safety.py runs them with a short watchdog).
 """
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -97,8 +98,10 @@ def main(scenario):
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()
-    elif scenario == "every_rank_raises":  # (the same mistake on every rank)
+    elif scenario.startswith("every_rank_raises"):  # (the same mistake on every rank)
         distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x}).run()
+        if scenario.endswith("_highest_first"):  # (each rank a moment after the next)
+            time.sleep(0.4 * (comm.size - 1 - comm.rank))
         raise ValueError("no input named 'x3'")
     else:
         raise SystemExit(f"unknown scenario {scenario}")

@@ -4,7 +4,7 @@ It acts on `DISTOP_WATCHDOG` (`_config.settings.watchdog`). It counts only the t
 rank waits for its peers: in distop's own collectives (`Watchdog.watch`) and in the MPI
 calls an operator's method makes through the communicator it is handed (`WatchedComm`).
 A method computing (`Watchdog.busy`) is busy, not stuck. On a communicator of their own
-(`_Channel`), the watchdog threads of the ranks ask each other where they stand, so that
+(`Channel`), the watchdog threads of the ranks ask each other where they stand, so that
 a rank that has waited long can tell a peer still computing (it waits on) from a hang
 (it says what every rank is doing, and aborts the job).
 """
@@ -15,11 +15,10 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 from ._config import settings
 from ._mpi_names import BLOCKING, COLLECTIVES, MAKERS, STARTERS
 from ._runtime import abort, mpi, world
+from ._watchdog_channel import Channel, decode
 
 # Where a thread stands, and so a rank (see `Watchdog.busy` and `WatchedComm`).
 OUTSIDE = 0  # in no distop step: its own code, or distop tracing and compiling
@@ -50,7 +49,7 @@ class Watchdog:
         self._active: dict[int, tuple] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._channels: list[_Channel] = []
+        self._channels: list[Channel] = []
         self._blind = "no communicator of distop's spans them yet"  # why it cannot ask
         self._heard: dict[int, tuple] = {}  # world rank -> (when, state, text, seconds)
         self._asked: dict[int, float] = {}  # world rank -> when it was last asked
@@ -98,7 +97,7 @@ class Watchdog:
         if found is not None:
             self._active[key] = (found[0], where, None) + found[3:]
 
-    def attach(self, comm: Any) -> "_Channel | None":
+    def attach(self, comm: Any) -> "Channel | None":
         """Open a channel on which the watchdogs of `comm`'s ranks ask each other where
         they stand; collective.
 
@@ -116,7 +115,7 @@ class Watchdog:
         if comm is None or comm.Get_size() == 1:
             return None
         MPI = mpi()
-        channel = _Channel(comm)
+        channel = Channel(comm)
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             # MPI lets only one thread call it at a time: the watchdog thread may not.
             self._blind = (f"MPI runs at thread level {MPI.Query_thread()}, and only "
@@ -137,7 +136,7 @@ class Watchdog:
         self._start()
         return channel
 
-    def detach(self, channel: "_Channel") -> None:
+    def detach(self, channel: "Channel") -> None:
         """Close a channel and free its communicator; collective over its ranks, as the
         user's `comm.Free()` it follows is.
 
@@ -208,7 +207,7 @@ class Watchdog:
             try:
                 for channel in self._channels:
                     for rank, answer in channel.serve(standing, ask):
-                        self._heard[rank] = (_now(),) + _decode(answer)
+                        self._heard[rank] = (_now(),) + decode(answer)
                     if ask:
                         self._asked.update(dict.fromkeys(channel.peers, now))
             except Exception as err:  # noqa: BLE001 - the watchdog must outlive it
@@ -442,100 +441,6 @@ def _ranges(ranks: list) -> str:
             parts.append(f"{start}-{r}" if r > start else f"{r}")
             start = None
     return ", ".join(parts)
-
-
-# -- the channel between watchdogs ----------------------------------------------------
-_ASK, _TELL = 1, 2  # message tags: a question, an answer
-_RECORD = 256  # bytes of an answer: state, seconds, then the description in UTF-8
-
-
-def _encode(state: int, text: str, seconds: float) -> np.ndarray:
-    """**Returns:** an answer as `_RECORD` bytes."""
-    record = np.zeros(_RECORD, np.uint8)
-    record[0] = state
-    record[8:16] = np.array([seconds], "<f8").view(np.uint8)
-    data = text.encode("utf-8")[:_RECORD - 16]
-    record[16:16 + len(data)] = np.frombuffer(data, np.uint8)
-    return record
-
-
-def _decode(record: np.ndarray) -> tuple:
-    """**Returns:** (state, description, seconds) of an answer."""
-    text = record[16:].tobytes().rstrip(b"\0").decode("utf-8", "ignore")
-    return int(record[0]), text, float(record[8:16].view("<f8")[0])
-
-
-class _Channel:
-    """Where the watchdog threads of one communicator's ranks ask each other where they
-    stand: a duplicate of its own, which no user code sees.
-
-    A question is one byte (tag `_ASK`), an answer one `_RECORD` (tag `_TELL`). Only the
-    watchdog thread sends and receives here, with `Iprobe` and non-blocking sends, so
-    that no question or answer can make it wait, whatever a peer is doing.
-
-    **Arguments:**
-    - `comm`: the communicator; duplicated here (collective).
-    """
-
-    def __init__(self, comm: Any) -> None:
-        MPI = mpi()
-        self.comm = comm.Dup()
-        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        size, mine = self.comm.Get_size(), self.comm.Get_rank()
-        group, everyone = self.comm.Get_group(), world().Get_group()
-        self.world_ranks = group.Translate_ranks(list(range(size)), everyone)
-        group.Free()
-        everyone.Free()
-        self.peers = [self.world_ranks[r] for r in range(size) if r != mine]
-        self._others = [r for r in range(size) if r != mine]
-        self._question = np.zeros(1, np.uint8)
-        self._scratch = np.zeros(1, np.uint8)
-        self._sending: list = []  # (request, buffer) of the messages on their way
-
-    def serve(self, standing: Any, ask: bool) -> list:
-        """Answer every question waiting, read every answer, ask every peer if `ask`.
-
-        **Arguments:**
-        - `standing`: a function returning (state, description, seconds) of this rank.
-        - `ask`: whether to ask the peers.
-
-        **Returns:** (world rank, answer record) of each answer read.
-        """
-        MPI = mpi()
-        status, answers, record = MPI.Status(), [], None
-        for _ in range(4 * len(self.world_ranks)):  # (bounded, should a peer flood it)
-            if not self.comm.Iprobe(MPI.ANY_SOURCE, _ASK, status):
-                break
-            source = status.Get_source()
-            self.comm.Recv([self._scratch, MPI.BYTE], source, _ASK)
-            if record is None:
-                record = _encode(*standing())
-            self._send(record, source, _TELL)
-        for _ in range(4 * len(self.world_ranks)):
-            if not self.comm.Iprobe(MPI.ANY_SOURCE, _TELL, status):
-                break
-            source = status.Get_source()
-            answer = np.empty(_RECORD, np.uint8)
-            self.comm.Recv([answer, MPI.BYTE], source, _TELL)
-            answers.append((self.world_ranks[source], answer))
-        if ask:
-            for peer in self._others:
-                self._send(self._question, peer, _ASK)
-        self._sending = [(r, b) for r, b in self._sending if not r.Test()]
-        return answers
-
-    def _send(self, data: np.ndarray, peer: int, tag: int) -> None:
-        self._sending.append((self.comm.Isend([data, mpi().BYTE], peer, tag), data))
-
-    def close(self) -> None:
-        """Let go of the messages still on their way (MPI delivers them by itself)."""
-        for request, _ in self._sending:
-            try:
-                if not request.Test():
-                    request.Free()
-            except Exception:  # noqa: BLE001,S110 - at exit, nothing left to tell
-                pass
-        self._sending = []
 
 
 # -- the communicator handed to methods -----------------------------------------------

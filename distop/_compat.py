@@ -17,6 +17,18 @@ def x64_enabled() -> bool:
 from jax._src.callback import _OrderedIOEffect as ORDERED_IO_EFFECT  # noqa: E402, F401
 from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
 
+# The trace a primitive binds into, and the class of the traces that make programs
+# (a jit's, a loop body's, a branch's): no public names as of jax 0.12.0.
+from jax._src.core import trace_ctx as _trace_ctx  # noqa: E402
+from jax._src.interpreters.partial_eval import (  # noqa: E402
+    DynamicJaxprTrace as ProgramTrace,  # noqa: F401
+)
+
+
+def current_trace() -> object:
+    """**Returns:** the trace a primitive bound now binds into."""
+    return _trace_ctx.trace
+
 # Per-primitive linearization rules (no public name as of jax 0.12.0):
 # without one, JAX derives a primitive's linearization from its JVP rule by partial
 # evaluation, call by call. A rule returns (outputs, which tangents are nonzero,

@@ -76,7 +76,7 @@ class Executor:
         if profile is not None:  # (the program has finished: its token is read)
             profile.program_ended(program.entry)
         self.token = token
-        if program.calls:
+        if program.calls != 0:
             self._count(program, count)
         coordinator.after_running()
         if program.checker is not None:
@@ -87,9 +87,10 @@ class Executor:
         return values
 
     def _count(self, program: Program, count: float) -> None:
-        """Check that the token grew by the program's number of host calls."""
+        """Check that the token grew by the program's number of host calls, where it is
+        known before the run."""
         calls, self.calls = self.calls, count
-        if self.calls - calls != program.calls:
+        if program.calls is not None and self.calls - calls != program.calls:
             raise DistopError(
                 f"rank {self.coordinator.comm.Get_rank()}: the program made "
                 f"{self.calls - calls} host calls instead of {program.calls}; "

@@ -24,7 +24,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from . import _xla_ffi
 from ._calls.base import HostCallable
-from ._compat import x64_enabled
+from ._compat import ProgramTrace, current_trace, x64_enabled
 from ._coordinator import offered, withdraw
 from ._errors import DistopError
 from ._xla_ffi import (
@@ -321,6 +321,22 @@ class Session:
     def __init__(self, token: Any) -> None:
         self.token = token  # (a tracer of the program being traced)
         self.calls = 0
+        self.trace = current_trace()  # the program's own trace
+
+    def at_top(self) -> bool:
+        """Whether a call bound now belongs to the program itself, where it takes the
+        session's token: not to the body of the model's own loop, branch, checkpoint or
+        inner jit, whose token is threaded after tracing (see `_passes/nested.py`).
+
+        Transformations (vmap, jvp, linearize) keep a call at the top: their traces
+        lead, parent after parent, to the program's own trace. A body has a trace of
+        its own."""
+        trace = current_trace()
+        while not isinstance(trace, ProgramTrace):
+            trace = getattr(trace, "parent_trace", None)
+            if trace is None:
+                return False
+        return trace is self.trace
 
 
 _state = threading.local()
@@ -351,8 +367,10 @@ def chained(closed_jaxpr: ClosedJaxpr) -> bool:
 
     The chain starts at the program's first input, passes every lean call in program
     order (each takes the previous one's token) and ends at the program's last output.
-    Then XLA must run them one at a time, in that order, and keep every one. Anything
-    else (a lean call inside a loop or branch, a token that skipped a call) fails.
+    A loop, branch or checkpoint with lean calls inside is a link of the chain where the
+    token was threaded through it (see `link`). Then XLA must run the calls one at a
+    time, in that order, and keep every one. Anything else (a loop whose calls the token
+    does not reach, a token that skipped a call) fails.
     """
     jaxpr = closed_jaxpr.jaxpr
     token = jaxpr.invars[0]
@@ -363,8 +381,34 @@ def chained(closed_jaxpr: ClosedJaxpr) -> bool:
                 return False
             token = eqn.outvars[0]
         elif has_lean(eqn):
-            return False
+            slots = link(eqn)
+            if slots is None or eqn.invars[slots[0]] is not token:
+                return False
+            token = eqn.outvars[slots[1]]
     return jaxpr.outvars[-1] is token
+
+
+CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, by version
+
+
+def link(eqn: JaxprEqn) -> tuple[int, int] | None:
+    """Where a loop, branch or checkpoint takes and gives the token once it is threaded
+    through (see `_passes/nested.py`): the token is its first carried value (a scan, a
+    while loop), its first operand after the index (a branch) or its first argument (a
+    checkpoint), and its first result.
+
+    **Returns:** (argument position, result position), or None for any other equation.
+    """
+    name = eqn.primitive.name
+    if name == "scan":
+        return eqn.params["num_consts"], 0
+    if name == "while":
+        return eqn.params["cond_nconsts"] + eqn.params["body_nconsts"], 0
+    if name == "cond":
+        return 1, 0
+    if name in CHECKPOINTS:
+        return 0, 0
+    return None
 
 
 def has_lean(eqn: JaxprEqn) -> bool:

@@ -235,11 +235,16 @@ def explicit_order(op: DistributedOperator) -> bool | None:
 
 
 def _bind(call: HostCall, args: Sequence[Any]) -> list[Any]:
-    """Bind the primitive; a lean call takes the session's token and moves it on."""
+    """Bind the primitive; a lean call takes the session's token and moves it on (at
+    the program's top level; see `_ffi.Session.at_top`)."""
     if not call.lean:
         return host_call_p.bind(*args, call=call)
     session = _ffi.session()
     assert session is not None  # (a call is lean only while a session traces)
+    if not session.at_top():
+        # In the body of the model's own loop, branch or checkpoint: a placeholder
+        # token, which the program's rewrite replaces (see _passes/nested.py).
+        return host_call_p.bind(np.zeros((), _ffi.token_dtype()), *args, call=call)[1:]
     token, *outs = host_call_p.bind(session.token, *args, call=call)
     session.token = token
     return outs

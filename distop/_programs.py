@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-from jax.extend.core import ClosedJaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 
 from . import _checking, _comm, _ffi, _schedule, _watchdog
 from ._calls.host import HostCall
@@ -20,7 +20,7 @@ from ._coordinator import Coordinator
 from ._errors import DistopError
 from ._layout import Layout, TracingInputs, seeds, unit_seeds
 from ._packing import pack, unpack_plan
-from ._passes import pipeline
+from ._passes import nested, pipeline
 from ._passes.jaxprs import lean_calls
 from ._schedule import ScheduleEntry
 from ._tracing import FDOptions, TotalsOptions, build
@@ -52,7 +52,9 @@ class Program:
     outputs: pipeline.Outputs  # of the program's results, before packing
     make_extra: Callable[[], tuple[Any, ...]] = tuple
     checker: _checking.Checker | None = None
-    calls: int = 0  # lean host calls per run: each adds one to the token
+    # lean host calls per run, each adding one to the token; None where the values
+    # decide (a while loop, branches making different numbers of calls)
+    calls: int | None = 0
     ahead: bool = False  # whether its first host call may make the ranks' agreement
     entry: str = ""  # its entry point: `run`, `compute_totals` ... (for profiles)
     _extra: tuple[Any, ...] | None = None
@@ -239,16 +241,18 @@ class Programs:
                                        _schedule.extract(jaxpr, traced))
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
-        calls = lean_calls(jaxpr.jaxpr)
+        calls = nested.calls(jaxpr.jaxpr)
         # Its first host call may make the agreement (see `CallAgreement`) where nothing
         # else in it runs host code (a callback or FFI call of the model's own, which
         # could communicate before it, or a call of an operator set to ordered=False,
-        # which XLA may run before it) and it ends whatever its calls return (no while
-        # loop, whose condition could read the zeros of calls that did not run).
+        # which XLA may run before it) and it ends whatever its calls return (no loop
+        # or branch of the model's own, whose condition could read the zeros of calls
+        # that did not run).
         ahead = bool(calls) and checker is None and not jaxpr.jaxpr.effects and not \
-            _ffi.anywhere(jaxpr.jaxpr.eqns, not_ahead)
+            _ffi.anywhere(jaxpr.jaxpr.eqns, not_ahead) and not nested.nested(jaxpr.jaxpr)
         found = self.programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              len(calls), ahead, _entry_name(name, options))
+                                              nested.count(jaxpr.jaxpr), ahead,
+                                              _entry_name(name, options))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
         return found
@@ -279,6 +283,8 @@ class Programs:
                                          inputs=layout.inputs, specs=specs)
             if lean is not None:
                 assert found is not None  # (a lean program is made of what was traced)
+                if nested.nested(found[2].jaxpr):  # (compiled as traced: all made)
+                    return Traced(*lean, None)
                 calls = lean_calls(found[2].jaxpr)
                 traced = tuple(c for c in calls if isinstance(c, HostCall))
                 assert len(traced) == len(calls)  # (as traced: none fused or rolled)
@@ -302,10 +308,21 @@ class Programs:
 
         fn = jax.jit(packed)
         token = jax.ShapeDtypeStruct((), _ffi.token_dtype())
-        traced = self.coordinator.agree(f"{name}: tracing the program",
-                             lambda: _schedule.refuse_checkpoint(
-                                 fn.trace(token, layout.inputs, *specs)))
-        return fn, outputs, traced.jaxpr
+
+        def traced() -> tuple[ClosedJaxpr, bool]:
+            """**Returns:** (the program, whether it is `fn`'s own)."""
+            closed = fn.trace(token, layout.inputs, *specs).jaxpr
+            if not lean:
+                return _schedule.refuse_checkpoint(closed), True
+            if not nested.nested(closed.jaxpr):
+                return closed, True
+            # calls inside the model's own loops and branches: the token threaded
+            return nested.threaded(closed), False
+
+        closed, own = self.coordinator.agree(f"{name}: tracing the program", traced)
+        if not own:
+            fn = pipeline.function(jaxpr_as_fun(closed))
+        return fn, outputs, closed
 
 
 

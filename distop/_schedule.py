@@ -12,11 +12,11 @@ from typing import Any, NoReturn
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
-from jax.stages import Traced
 
 from ._calls.fused import FusedCall
 from ._calls.host import HostCall
 from ._errors import DistopError, ScheduleMismatchError
+from ._ffi import CHECKPOINTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,25 +106,25 @@ def extract(closed_jaxpr: ClosedJaxpr,
     return tuple(_entry(i, *row) for i, row in enumerate(rows))
 
 
-_CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, by version
 
 
-def refuse_checkpoint(traced: Traced) -> Traced:
-    """**Returns:** `traced` (from `jit(...).trace`), unless an operator is called inside
-    `jax.checkpoint`: in a reverse sweep JAX would call it again, collectives and all.
+def refuse_checkpoint(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """**Returns:** `closed` (a program traced with `io_callback`s), unless an operator is
+    called inside `jax.checkpoint`, which JAX cannot differentiate with ordered
+    callbacks inside.
 
     **Raises:** `DistopError` naming the operator."""
     found: list[Found] = []  # as `extract` finds them
-    _walk(traced.jaxpr, "", found, [0])
+    _walk(closed, "", found, [0])
     for call, context, _ in found:
         if "checkpoint" in context.replace(".", "/").split("/"):
             raise DistopError(
-                f"{call.where} is called inside jax.checkpoint "
-                "(jax.remat): differentiating it, JAX would call the operator again in "
-                "the reverse sweep, and its collectives with it, where distop runs every "
-                "operator call once, in one order on every rank. Call the operator "
-                "outside jax.checkpoint (checkpoint the jax.numpy code around it).")
-    return traced
+                f"{call.where} is called inside jax.checkpoint (jax.remat), which "
+                "JAX cannot differentiate with ordered io_callbacks inside. The lean "
+                "path (Problem's default backend) runs checkpointed operators: their "
+                "recomputed calls run again in the reverse sweep, in one order on every "
+                "rank. Else call the operator outside jax.checkpoint.")
+    return closed
 
 
 def _with_unmade(found: Sequence[Found], traced: Sequence[HostCall]) -> list[Row]:
@@ -162,7 +162,7 @@ def _walk(jaxpr: Jaxpr | ClosedJaxpr, context: str, found: list[Found],
             inner = "while"
         elif name == "cond":
             inner = "cond"
-        elif name in _CHECKPOINTS:
+        elif name in CHECKPOINTS:
             inner = "checkpoint"
         else:
             inner = ""

@@ -36,7 +36,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from .. import _ffi
 from .._errors import DistopError
-from . import fold, fuse, identity, loops, rows, segments, unused
+from . import fold, fuse, identity, loops, nested, rows, segments, unused
 from .base import Context, Pass
 
 PASSES: tuple[Pass[Any, Any], ...] = (identity.DropIdentityProducts(), fold.FoldKnown(),
@@ -110,23 +110,27 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
         invars = found[2].jaxpr.invars
         first = len(invars) - len(specs)
         context = Context(tuple(first + i for i in unit_seeds), fuse)
+    # A program with calls inside its own loops or branches (see nested.py) is compiled
+    # as traced: the passes read the chain's calls at the top level only.
+    inside = found is not None and nested.nested(found[2].jaxpr)
+    passes, settle = ((), ()) if inside else (PASSES, SETTLE)
     given, offered = exchange(
         f"{name}: agreeing on the lean path",
         lambda: None if found is None or context is None else propose(found[2], context,
-                                                                      PASSES),
-        lambda proposed: None if proposed is None else proposed.proposals)
-    every = [proposals for proposals in offered if proposals is not None]
-    if len(every) < len(offered):
+                                                                      passes),
+        lambda proposed: None if proposed is None else (inside, proposed.proposals))
+    every = [shared[1] for shared in offered if shared is not None]
+    if len(every) < len(offered) or len({shared[0] for shared in offered}) > 1:
         return None
     # every rank proposed, this one too: its program is one chain
     assert found is not None and context is not None and given is not None
     mine = given
-    shared = [step for step in PASSES if step.shared]
+    shared = [step for step in passes if step.shared]
     decisions = [step.merge([p[j] for p in every]) for j, step in enumerate(shared)]
     ahead = next((j for j, step in enumerate(shared) if step.ahead), None)
     while ahead is not None and not shared[ahead].agreed(decisions[ahead]):
         context = shared[ahead].again(context, decisions[ahead])
-        rest = PASSES[PASSES.index(shared[ahead]):]
+        rest = passes[passes.index(shared[ahead]):]
         assert mine.analysed is not None  # set by the `ahead` pass, which `propose` ran
         mine, every = exchange(f"{name}: agreeing on the calls to drop",
                                functools.partial(propose, mine.analysed, context, rest),
@@ -145,8 +149,8 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
 
     lean, every = exchange(f"{name}: rewriting the program", rewrite,
                            lambda made: tuple(step.analyse(made.closed, context)
-                                              for step in SETTLE))
-    for j, step in enumerate(SETTLE):
+                                              for step in settle))
+    for j, step in enumerate(settle):
         step.apply(lean.closed, step.merge([p[j] for p in every]))
     return lean
 
@@ -187,9 +191,14 @@ def compiled(found: LeanProgram, program: ClosedJaxpr, inputs: Mapping[str, Any]
     run = segments.segmented(runnable)
     if run is None and program is found.closed and looped is None:
         return found
-    run = run or jaxpr_as_fun(runnable)
-    fn = jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))
+    fn = function(run or jaxpr_as_fun(runnable))
     if looped is not None:  # the loops' call sites live as long as the program
         weakref.finalize(fn, _ffi.release, looped.calls)
     fn.trace(jax.ShapeDtypeStruct((), _ffi.token_dtype()), inputs, *specs)
     return LeanProgram(fn, found.outputs, program)
+
+
+def function(run: Callable[..., list[Any]]) -> Callable[..., Any]:
+    """**Returns:** `run` (flat arguments -> flat results) jitted as a program is called:
+    (token, inputs, extra arguments) -> the results, as a tuple."""
+    return jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))

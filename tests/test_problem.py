@@ -174,18 +174,22 @@ def test_a_model_jax_cannot_differentiate_still_runs():
         problem.compute_totals()
 
 
-@pytest.mark.parametrize("backend", ["lean", "io_callback"])
 @pytest.mark.parametrize("ordered", [None, True])
-def test_an_operator_inside_jax_checkpoint_is_refused(backend, ordered):
+def test_an_operator_inside_jax_checkpoint_is_refused_by_io_callback(ordered):
     op = Cube(ordered=ordered)
     with pytest.raises(distop.DistopError, match=r"Cube.forward is called inside "
                                                  r"jax.checkpoint \(jax.remat\)"):
         distop.Problem(lambda x: {"f": jnp.sum(jax.checkpoint(lambda x: jnp.sin(op(x)))(x))},
-                       {"x": np.ones(2)}, backend=backend)
+                       {"x": np.ones(2)}, backend="io_callback")
     nested = jax.checkpoint(lambda x: jax.lax.cond(True, op, lambda x: x, x))
     with pytest.raises(distop.DistopError, match="inside jax.checkpoint"):
-        distop.Problem(lambda x: {"f": jnp.sum(nested(x))}, {"x": np.ones(2)}, backend=backend)
-    # jax.numpy code checkpointed around an operator is fine
+        distop.Problem(lambda x: {"f": jnp.sum(nested(x))}, {"x": np.ones(2)},
+                       backend="io_callback")
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_jax_numpy_code_checkpointed_around_an_operator_is_fine(backend):
+    op = Cube()
     problem = distop.Problem(lambda x: {"f": jnp.sum(jax.checkpoint(jnp.sin)(op(x)))},
                              {"x": np.ones(2)}, backend=backend)
     np.testing.assert_allclose(problem.compute_totals()["f", "x"],

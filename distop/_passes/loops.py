@@ -26,7 +26,7 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
-from .._calls.rolled import RolledCall
+from .._calls.rolled import RolledCall, UnstackedCall
 from .._compat import ShapedArray
 from .jaxprs import is_lean, other_effects, pieces, shaped, variables
 
@@ -63,11 +63,11 @@ class _Loop:
 
 
 class Rolled(NamedTuple):
-    """What `rolled` makes: the `program` with its loops, and the `calls` (`RolledCall`s)
-    of their bodies."""
+    """What `rolled` makes: the `program` with its loops, and the `calls` of their
+    bodies (`RolledCall`s) and of the calls reading their stacks (`UnstackedCall`s)."""
 
     program: ClosedJaxpr
-    calls: tuple[RolledCall, ...]
+    calls: tuple[RolledCall | UnstackedCall, ...]
 
 
 def rolled(closed_jaxpr: ClosedJaxpr, repeats: int | None = None) -> Rolled | None:
@@ -88,11 +88,15 @@ def rolled(closed_jaxpr: ClosedJaxpr, repeats: int | None = None) -> Rolled | No
     loops = _loops(jaxpr, repeats or REPEATS)
     if not loops:
         return None
-    # the stretch before each loop, and after the last, as a function of its own
     eqns = jaxpr.eqns
-    bounds = [0, *(b for loop in loops for b in (loop.start, loop.stop)), len(eqns)]
-    stretches = [(p.inputs, p.outputs, p.fn) for p in pieces(jaxpr, bounds)[::2]]
-    made = []
+    starts = {loop.start: loop for loop in loops}
+    gathers = _gathers(eqns, loops, repeats or REPEATS)
+    # the stretches between the loops and around the calls that read their stacks, each
+    # as a function of its own
+    bounds = sorted({0, len(eqns), *(b for loop in loops for b in (loop.start, loop.stop)),
+                     *(b for i in gathers for b in (i, i + 1))})
+    stretches = pieces(jaxpr, bounds)
+    made: list[RolledCall | UnstackedCall] = []
 
     def run(*args: jax.Array) -> list[jax.Array]:
         env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
@@ -108,14 +112,66 @@ def rolled(closed_jaxpr: ClosedJaxpr, repeats: int | None = None) -> Rolled | No
                 env[v] = array[index]
             return env[v]
 
-        for (inputs, outputs, fn), loop in zip(stretches, loops + [None]):
-            env.update(zip(outputs, fn(*map(read, inputs))))
-            if loop is not None:
-                made.extend(_run_loop(eqns, loop, read, env, stacked))
+        for start, piece in zip(bounds, stretches):
+            if start in starts:
+                made.extend(_run_loop(eqns, starts[start], read, env, stacked))
+            elif start in gathers:
+                made.append(_run_unstacked(eqns[start], read, env, stacked))
+            else:
+                env.update(zip(piece.outputs, piece.fn(*map(read, piece.inputs))))
         return [read(v) for v in jaxpr.outvars]
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
     return Rolled(jax.make_jaxpr(run)(*avals), tuple(made))
+
+
+def _gathers(eqns: Sequence[JaxprEqn], loops: Sequence[_Loop], repeats: int) -> set[int]:
+    """**Returns:** the indices of the lean calls outside `loops` that read at least
+    `repeats` results made inside them (a fused call of the reverse sweep, say, reading
+    every step's input): `_run_unstacked` gives them slices of the stacks."""
+    inside = {v for loop in loops for eqn in eqns[loop.start:loop.stop] for v in eqn.outvars}
+    within = {i for loop in loops for i in range(loop.start, loop.stop)}
+    return {i for i, eqn in enumerate(eqns) if is_lean(eqn) and i not in within
+            and sum(v in inside for v in variables(eqn.invars)) >= repeats}
+
+
+def _run_unstacked(eqn: JaxprEqn, read: Callable[[Any], Any], env: dict[Var, Any],
+                   stacked: dict[Var, tuple[Any, int]]) -> UnstackedCall:
+    """Run a lean call that reads many stacked results of a loop (see `_gathers`), each
+    run of rows of one stack, in order or in reverse, given as one slice: set its
+    results in `env`.
+
+    **Returns:** its `UnstackedCall`."""
+    given = eqn.invars[1:]
+
+    def row(j: int) -> tuple[Any, int] | None:
+        """(stack, index) of argument j where it is a stacked result not read yet."""
+        v = given[j] if j < len(given) else None
+        return stacked.get(v) if isinstance(v, Var) and v not in env else None
+
+    args, layout, j = [], [], 0
+    while j < len(given):
+        found, after = row(j), row(j + 1)
+        run, step = 1, 1
+        if (found is not None and after is not None and after[0] is found[0]
+                and abs(after[1] - found[1]) == 1):
+            step = after[1] - found[1]
+            while (further := row(j + run)) is not None and further[0] is found[0] \
+                    and further[1] == found[1] + step * run:
+                run += 1
+        if run == 1:
+            args.append(read(given[j]))
+            layout.append(0)
+        else:
+            assert found is not None  # (a run of rows starts at a stacked result)
+            low = min(found[1], found[1] + step * (run - 1))
+            args.append(lax.slice_in_dim(found[0], low, low + run))
+            layout.append(run * step)
+        j += run
+    call = UnstackedCall(eqn.params["call"], layout)
+    outs = eqn.primitive.bind(read(eqn.invars[0]), *args, **dict(eqn.params, call=call))
+    env.update(zip(eqn.outvars, outs))
+    return call
 
 
 def _key(eqn: JaxprEqn) -> tuple[Any, ...]:

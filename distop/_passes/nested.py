@@ -30,7 +30,7 @@ from .._calls.base import HostCallable
 from .._compat import ShapedArray, no_effects
 from .._errors import DistopError
 from .._ffi import CHECKPOINTS, anywhere, has_lean, inner_eqns, token_dtype
-from .jaxprs import is_lean
+from .jaxprs import is_lean, shaped
 
 # the primitives a nested call may sit in whose bodies are inlined
 _INLINED = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -150,7 +150,7 @@ def _inlined(eqn: JaxprEqn, constvars: list[Var], consts: list[Any]) -> list[Jax
     """**Returns:** the equations of a call's body (an inner jit, a custom derivative's
     function) with fresh variables, reading the call's arguments and giving its results.
     The body's constants are added to `constvars` and `consts`."""
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    closed: Any = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if isinstance(closed, Jaxpr):
         closed = ClosedJaxpr(closed, [])
     jaxpr = closed.jaxpr
@@ -174,10 +174,11 @@ def _inlined(eqn: JaxprEqn, constvars: list[Var], consts: list[Any]) -> list[Jax
     body = [e.replace(invars=[read(v) for v in e.invars], outvars=[read(v) for v in e.outvars])
             for e in jaxpr.eqns]
     for value, result in copies:
-        aval = result.aval
-        body.append(new_jaxpr_eqn([read(value)], [result], convert_element_type_p,
-                                  {"new_dtype": aval.dtype, "weak_type": aval.weak_type,
-                                   "sharding": getattr(aval, "sharding", None)}, no_effects))
+        aval = shaped(result)
+        params = {"new_dtype": aval.dtype, "weak_type": aval.weak_type,
+                  "sharding": getattr(aval, "sharding", None)}
+        body.append(new_jaxpr_eqn([read(value)], [result], convert_element_type_p, params,
+                                  no_effects))
     return body
 
 

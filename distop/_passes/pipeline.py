@@ -118,9 +118,10 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
         f"{name}: agreeing on the lean path",
         lambda: None if found is None or context is None else propose(found[2], context,
                                                                       passes),
-        lambda proposed: None if proposed is None else (inside, proposed.proposals))
-    every = [shared[1] for shared in offered if shared is not None]
-    if len(every) < len(offered) or len({shared[0] for shared in offered}) > 1:
+        lambda proposed: None if proposed is None else proposed.proposals)
+    every = [proposals for proposals in offered if proposals is not None]
+    # (proposals of as many passes on every rank: the ranks agree on `inside`)
+    if len(every) < len(offered) or len({len(p) for p in every}) > 1:
         return None
     # every rank proposed, this one too: its program is one chain
     assert found is not None and context is not None and given is not None
@@ -198,7 +199,7 @@ def compiled(found: LeanProgram, program: ClosedJaxpr, inputs: Mapping[str, Any]
     return LeanProgram(fn, found.outputs, program)
 
 
-def function(run: Callable[..., list[Any]]) -> Callable[..., Any]:
+def function(run: Callable[..., list[Any]]) -> Any:
     """**Returns:** `run` (flat arguments -> flat results) jitted as a program is called:
     (token, inputs, extra arguments) -> the results, as a tuple."""
     return jax.jit(lambda *args: tuple(run(*jax.tree.leaves(args))))

@@ -369,14 +369,37 @@ def _sin_chain(x, n):
 
 
 @case("core")
-def programs_the_lean_path_cannot_prove_fall_back_to_io_callback():
+def operators_in_the_models_own_loops_run_lean_once_each_in_order():
     log, active = [], [0]
     op = Logged(0, log, active)
-    problem = distop.Problem(
-        lambda x: {"f": jnp.sum(lax.scan(lambda c, _: (op(c), None), x, None, length=2)[0])},
+
+    def model(x):
+        y = lax.scan(lambda c, _: (op(c), None), x, None, length=2)[0]
+        y = lax.cond(jnp.sum(y) > 0, op, lambda c: op(op(c)), y)
+        return {"f": jnp.sum(jax.checkpoint(lambda c: jnp.sin(op(c)))(y))}
+
+    x = np.linspace(0.1, 0.3, 2)
+    problem = distop.Problem(model, {"x": x}, backend="lean")
+    assert all(e.lean for e in problem.schedule), problem.schedule
+    contexts = {e.context for e in problem.schedule}
+    assert {"scan[2]", "cond.branch0", "cond.branch1", "checkpoint"} <= contexts, contexts
+    for _ in range(2):
+        log.clear()
+        all_close_everywhere(comm, problem.run()["f"], np.sum(np.sin(x)))
+        assert log == [("forward", 0, 1)] * 4, log
+        log.clear()
+        all_close_everywhere(comm, problem.compute_totals()["f", "x"], np.cos(x)[None])
+        # the scan's two steps and the branch, then the checkpoint's call, recomputed
+        # in the reverse sweep, and the vjps in reverse order
+        assert log == [("forward", 0, 1)] * 5 + [("vjp", 0, 1)] * 4, log
+        every = comm.allgather(log)
+        assert all(other == log for other in every)
+    # an operator in a while loop's condition is beyond the token: io_callback
+    beyond = distop.Problem(
+        lambda x: {"f": lax.while_loop(lambda c: jnp.sum(op(c)) > 1, lambda c: c / 2, x)},
         {"x": np.ones(2)}, backend="lean")
-    assert all(e.ordered and not e.lean for e in problem.schedule), problem.schedule
-    all_close_everywhere(comm, problem.compute_totals()["f", "x"], np.ones((1, 2)))
+    assert [(e.context, e.lean) for e in beyond.schedule] == [("while", False)]
+    all_close_everywhere(comm, beyond.run()["f"], np.full(2, 0.5))
     # a vmap the model applies itself keeps the chain: lean, proven, and exact
     inner = distop.Problem(lambda x: {"f": jnp.sum(jax.vmap(op)(x) ** 2)},
                            {"x": np.arange(6.0).reshape(3, 2)}, backend="lean")

@@ -65,6 +65,14 @@ def main(scenario):
         problem = distop.Problem(
             lambda x: {"f": lax.cond(skip, lambda x: x, lambda x: op(x), x).sum()}, {"x": x})
         problem.run()
+    elif scenario == "while_trip_count_differs":
+        op = Flaky()
+        steps = 3 + (comm.rank == BAD)
+        problem = distop.Problem(
+            lambda x: {"f": lax.while_loop(lambda c: c[1] < steps,
+                                           lambda c: (op(c[0]) / 2, c[1] + 1), (x, 0))[0]},
+            {"x": x})
+        problem.run()
     elif scenario == "rank_exits_early":
         op = Flaky()
         problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": x})

@@ -26,6 +26,8 @@ SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the
     ("forward_raises", True, "Rank {bad} is running step #1: failed Flaky.forward"),
     ("rank_skips_operator", False, "of {n} has waited"),
     ("rank_skips_operator", True, "Rank {bad} is running step #1: end of program"),
+    ("while_trip_count_differs", False, "of {n} has waited"),
+    ("while_trip_count_differs", True, "end of program"),
     ("rank_exits_early", False, "of {n} has waited"),
     ("rank_exits_early", True, "the checking mode is on, and that rank answers no check"),
     ("undeclared_collective", True, "issued ['Barrier'], not declared"),

@@ -70,6 +70,17 @@ def test_poisson_example(nprocs, split):
     assert "check_totals on a 8 x 8 grid: ok" in out, out
 
 
+@pytest.mark.parametrize("nprocs, every", [(2, 0), (4, 8)])
+def test_heat_equation_example(nprocs, every):
+    code, out = run_mpi(nprocs, ROOT / "examples" / "heat_equation.py", "--steps", 40,
+                        "--n", 11, "--checkpoint-every", every, expect_ok=False)
+    assert code == 0, out
+    match = re.search(r"max relative error (\S+)", out)
+    assert match and float(match.group(1)) <= 1e-10, out
+    assert "check_totals passed" in out, out
+    assert ("checkpoint/scan[8]" in out) == bool(every), out
+
+
 def test_optimize_example_takes_the_same_steps_on_any_number_of_ranks():
     found = []
     for nprocs, split in [(1, ""), (2, "9,7"), (4, "5,0,7,4")]:

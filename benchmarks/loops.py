@@ -100,20 +100,23 @@ def step_worker(args):
     noop = jax.jit(lambda u: u)
     device_u = jnp.asarray(u0)
 
+    # (the class's functions: equinox makes a bound method anew on every `op.forward`)
+    forward, vjp = type(op).forward, type(op).vjp
+
     def hand_run():
         u = u0
         for _ in range(n):
-            u = op.forward(raw, u) + 0.01
+            u = forward(op, raw, u) + 0.01
         return u
 
     def hand_totals():
         u, inputs = u0, []
         for _ in range(n):
             inputs.append(u)
-            u = op.forward(raw, u) + 0.01
+            u = forward(op, raw, u) + 0.01
         u_bar = 2 * u
         for x in reversed(inputs):
-            u_bar = op.vjp(raw, u_bar, x)
+            u_bar = vjp(op, raw, u_bar, x)
         return u_bar
 
     variants = {"dispatch": lambda: noop(device_u).block_until_ready(),

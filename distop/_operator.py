@@ -292,10 +292,6 @@ def _lowering(ctx: Any, *args: Any, call: HostCall) -> Any:
     if not call.lean:
         return _lower_callback(ctx, *args, call=call)
     _require_method(call)
-    if call.phase == "jvp":  # its token is not part of the program's chain
-        raise NotImplementedError(
-            f"{call.where}: forward mode (jax.jvp, jacfwd) inside a Problem's model "
-            "needs Problem(..., backend='io_callback').")
     if call.ffi_id is None:
         call.ffi_id = _ffi.register(call)
     return _lower_ffi(ctx, *args, call_id=np.int64(call.ffi_id))

@@ -314,9 +314,10 @@ class Programs:
             closed = fn.trace(token, layout.inputs, *specs).jaxpr
             if not lean:
                 return _schedule.refuse_checkpoint(closed), True
-            if not nested.nested(closed.jaxpr):
+            if _ffi.chained(closed):
                 return closed, True
-            # calls inside the model's own loops and branches: the token threaded
+            # calls inside the model's own loops and branches, or jvp calls (forward
+            # mode), which read the token but do not move it on: the token threaded
             return nested.threaded(closed), False
 
         closed, own = self.coordinator.agree(f"{name}: tracing the program", traced)

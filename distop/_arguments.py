@@ -14,6 +14,7 @@ CACHE_SIZE = 16  # the input shapes a Problem keeps programs for, by default
 MODES = ("batched", "loop", "unrolled")
 BACKENDS = ("lean", "io_callback")
 FORMATS = ("global", "local")
+DIRECTIONS = ("rev", "fwd", "auto")  # compute_totals: seeded by `of`, by `wrt`, the fewer
 
 
 def check_arguments(model: Callable, inputs: dict, backend: str, copy: bool | None,

@@ -1,4 +1,5 @@
-"""Where a point's values live (`Layout`) and the unit seeds of its reverse sweeps."""
+"""Where a point's values live (`Layout`) and the unit seeds of its reverse and forward
+sweeps."""
 
 import dataclasses
 import itertools
@@ -98,6 +99,27 @@ def seeds(of: tuple, layout: Layout, rank: int, specs_only: bool = False) -> tup
                      column + np.arange(stop - start)] = 1
             column += int(np.prod(layout.outputs[name].shape))
         packed.append(seed)
+    return tuple(packed)
+
+
+def tangent_seeds(wrt: tuple, layout: Layout, rank: int, specs_only: bool = False) -> tuple:
+    """One unit tangent per global entry of the requested inputs, for forward sweeps:
+    an entry of a distributed input only on the rank that owns it (zeros on the
+    others, which run the sweep all the same), of a replicated input on every rank.
+    One (entries, *local shape) array per input of `wrt`, in order."""
+    sizes = [layout.global_size(w) for w in wrt]
+    total = sum(sizes)
+    shapes = [(total, *layout.inputs[w].shape) for w in wrt]
+    if specs_only:
+        return tuple(jax.ShapeDtypeStruct(s, layout.inputs[w].dtype)
+                     for w, s in zip(wrt, shapes))
+    packed, offset = [], 0
+    for w, size, shape in zip(wrt, sizes, shapes):
+        seed = np.zeros((total, math.prod(shape[1:])), layout.inputs[w].dtype)
+        start, stop = layout.local_rows(w, rank)
+        seed[offset + np.arange(start, stop), np.arange(stop - start)] = 1
+        packed.append(seed.reshape(shape))
+        offset += size
     return tuple(packed)
 
 

@@ -412,7 +412,8 @@ def _missing(op: DistributedOperator, phase: str) -> str:
     custom = getattr(type(op), "missing_methods", {}).get(phase)
     if custom:  # (a class that names the method of its own that is missing)
         return custom
-    mode = ("forward mode (jax.jvp, jacfwd)" if phase == "jvp"
+    mode = ("forward mode (jax.jvp, jacfwd, compute_totals(direction='fwd'))"
+            if phase == "jvp"
             else "reverse mode (grad, vjp, jacrev, compute_totals)")
     return (f"{type(op).__name__} does not implement {phase}(self, comm, "
             f"{'tangent' if phase == 'jvp' else 'cotangent'}, *inputs), which {mode} needs.")

@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from . import _comm, _profile, _totals
-from ._arguments import FORMATS, MODES, cache_size, check_arguments, check_names, moved
+from ._arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from ._config import env_flag
 from ._coordinator import Coordinator
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
@@ -194,7 +194,8 @@ class Problem:
 
     @_one_at_a_time
     def compute_totals(self, of: Names = None, wrt: Names = None, *, mode: str = "batched",
-                       return_format: str = "global") -> dict[tuple[str, str], np.ndarray]:
+                       return_format: str = "global",
+                       direction: str = "rev") -> dict[tuple[str, str], np.ndarray]:
         """Total derivatives of outputs with respect to inputs, at the current point.
 
         **Arguments:**
@@ -206,6 +207,10 @@ class Problem:
         - `return_format`: `"global"` (every rank gets the whole Jacobian of the global
           vectors) or `"local"` (no gathering: this rank's rows of distributed `of`, all
           rows of replicated `of`; this rank's columns of distributed `wrt`).
+        - `direction`: `"rev"` (reverse sweeps, one per global entry of `of`), `"fwd"`
+          (forward sweeps, one per global entry of `wrt`: every operator on the path
+          needs a `jvp`) or `"auto"` (the direction with fewer sweeps; reverse on a
+          tie). Every rank runs every sweep, as in reverse.
 
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
         identical on every rank for the global format: views of the program's
@@ -215,24 +220,25 @@ class Problem:
         (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag`
         of it as two outputs for both parts.
         """
-        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], dict[str, Any] | None]:
-            layout, names, ins = self._totals_request("compute_totals", self._point, of,
-                                                      wrt, mode, return_format)
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
+                               dict[str, Any] | None]:
+            layout, names, ins, way = self._totals_request(
+                "compute_totals", self._point, of, wrt, mode, return_format, direction)
             if not names or not ins:
-                return layout, names, ins, None
-            program = self._programs.program("compute_totals", TotalsOptions(mode, names, ins),
-                                             layout)
-            return layout, names, ins, self._executor(program, self._point)
+                return layout, names, ins, way, None
+            program = self._programs.program(
+                "compute_totals", TotalsOptions(mode, names, ins, False, way), layout)
+            return layout, names, ins, way, self._executor(program, self._point)
 
-        layout, names, ins, cts = self._coordinator.agreed(attempt)
+        layout, names, ins, way, cts = self._coordinator.agreed(attempt)
         if cts is None:
             return {}
-        return _totals.assemble(self.comm, layout, cts, names, ins, return_format)
+        return _totals.assembled(self.comm, layout, cts, names, ins, return_format, way)
 
     @_one_at_a_time
     def run_and_compute_totals(
             self, of: Names = None, wrt: Names = None, *, inputs: dict[str, Any] | None = None,
-            mode: str = "batched", return_format: str = "global",
+            mode: str = "batched", return_format: str = "global", direction: str = "rev",
     ) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
         """`run` and then `compute_totals`, in one program: the values and the total
         derivatives at one point, with one dispatch and one agreement across ranks
@@ -240,7 +246,7 @@ class Problem:
         the reverse sweep share it).
 
         **Arguments:**
-        - `of`, `wrt`, `mode`, `return_format`: as for `compute_totals`.
+        - `of`, `wrt`, `mode`, `return_format`, `direction`: as for `compute_totals`.
         - `inputs`: dict of name -> array, the inputs to change first, as for
           `run(**inputs)`; None: the current point.
 
@@ -251,20 +257,23 @@ class Problem:
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
                                self._point, self.copy, keywords=False)
 
-        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], dict[Any, Any]]:
-            layout, names, ins = self._totals_request("run_and_compute_totals", point, of,
-                                                      wrt, mode, return_format, refused)
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
+                               dict[Any, Any]]:
+            layout, names, ins, way = self._totals_request(
+                "run_and_compute_totals", point, of, wrt, mode, return_format, direction,
+                refused)
             if not names or not ins:  # nothing to differentiate: `run`'s program
-                return layout, names, ins, self._executor(
+                return layout, names, ins, way, self._executor(
                     self._programs.program("run", (), layout), point)
-            return layout, names, ins, self._executor(self._programs.program(
-                "compute_totals", TotalsOptions(mode, names, ins, True), layout), point)
+            return layout, names, ins, way, self._executor(self._programs.program(
+                "compute_totals", TotalsOptions(mode, names, ins, True, way), layout), point)
 
-        layout, names, ins, out = self._coordinator.agreed(attempt)
+        layout, names, ins, way, out = self._coordinator.agreed(attempt)
         if names and ins:
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
-            totals = _totals.assemble(self.comm, layout, {k: out["total", k] for k in ins},
-                                      names, ins, return_format)
+            swept = names if way == "fwd" else ins
+            totals = _totals.assembled(self.comm, layout, {k: out["total", k] for k in swept},
+                                       names, ins, return_format, way)
         else:
             values, totals = out, {}
         if self.check_replicated:
@@ -324,14 +333,16 @@ class Problem:
 
 
     def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,
-                        return_format: str, refused: BaseException | None = None,
-                        ) -> tuple[Layout, tuple[str, ...], tuple[str, ...]]:
+                        return_format: str, direction: str,
+                        refused: BaseException | None = None,
+                        ) -> tuple[Layout, tuple[str, ...], tuple[str, ...], str]:
         """Agree on a request for totals at `point` and check its arguments.
 
-        **Returns:** (the `Layout`, the `of` names, the `wrt` names)."""
+        **Returns:** (the `Layout`, the `of` names, the `wrt` names, the direction of
+        the sweeps: `"rev"` or `"fwd"`)."""
         key = _totals.request_key
         request = (method, key(of, names=True), key(wrt, names=True), key(mode),
-                   key(return_format))
+                   key(return_format), key(direction))
         layout = self._programs.layout(point, request, refused, ahead=True,
                                        current=self._point)
         of = check_names(method, "of", of, self.output_names,
@@ -343,7 +354,14 @@ class Problem:
         if return_format not in FORMATS:
             raise ValueError(f"{method}(return_format={return_format!r}): expected one of "
                              f"{list(FORMATS)}.")
-        return layout, of, wrt
+        if direction not in DIRECTIONS:
+            raise ValueError(f"{method}(direction={direction!r}): expected one of "
+                             f"{list(DIRECTIONS)}.")
+        if direction == "auto":  # (the same on every rank: the layout is)
+            rows = sum(layout.global_size(o) for o in of)
+            columns = sum(layout.global_size(w) for w in wrt)
+            direction = "fwd" if columns < rows else "rev"
+        return layout, of, wrt, direction
 
 
 def _later(err: BaseException) -> str:

@@ -18,7 +18,7 @@ from ._compat import x64_enabled
 from ._config import settings
 from ._coordinator import Coordinator
 from ._errors import DistopError
-from ._layout import Layout, TracingInputs, seeds, unit_seeds
+from ._layout import Layout, TracingInputs, seeds, tangent_seeds, unit_seeds
 from ._packing import pack, unpack_plan
 from ._passes import nested, pipeline
 from ._passes.jaxprs import lean_calls
@@ -207,8 +207,12 @@ class Programs:
             rank = self.comm.Get_rank()
 
             def make_extra() -> tuple[Any, ...]:
+                if options.direction == "fwd":
+                    return tangent_seeds(options.wrt, layout, rank)
                 return seeds(options.of, layout, rank)
-            specs = seeds(options.of, layout, rank, specs_only=True)
+            specs = (tangent_seeds(options.wrt, layout, rank, specs_only=True)
+                     if options.direction == "fwd"
+                     else seeds(options.of, layout, rank, specs_only=True))
         else:
             specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                  make_extra())
@@ -275,7 +279,7 @@ class Programs:
                 # comes back from the io_callback trace below.
                 found = None
             units: tuple[int, ...] = ()
-            if isinstance(options, TotalsOptions):  # (compute_totals)
+            if isinstance(options, TotalsOptions) and options.direction == "rev":
                 assert isinstance(layout, Layout)  # (only `run` is traced before its layout)
                 units = unit_seeds(options.of, layout, self.distributed, self.comm.Get_size())
             lean = pipeline.lean_program(name, found, exchange=self.coordinator.agree,

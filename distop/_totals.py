@@ -74,6 +74,40 @@ def assemble(comm: Any, layout: Layout, cts: dict[str, Any], of: tuple[str, ...]
     return totals
 
 
+def assembled(comm: Any, layout: Layout, swept: dict[str, Any], of: tuple[str, ...],
+              wrt: tuple[str, ...], return_format: str, direction: str) -> Blocks:
+    """`assemble` (reverse sweeps) or `assemble_forward` (forward sweeps)."""
+    if direction == "fwd":
+        return assemble_forward(comm, layout, swept, of, wrt, return_format)
+    return assemble(comm, layout, swept, of, wrt, return_format)
+
+
+def assemble_forward(comm: Any, layout: Layout, tangents: dict[str, Any],
+                     of: tuple[str, ...], wrt: tuple[str, ...],
+                     return_format: str) -> Blocks:
+    """Cut the batched tangents of a forward pass into `(of, wrt)` blocks.
+
+    **Arguments:**
+    - `tangents`: of name -> array (global entries of `wrt`, *local shape of of).
+    - the others: as for `assemble`.
+
+    **Returns:** dict `(of, wrt)` -> 2-D numpy array.
+    """
+    rank = comm.Get_rank()
+    offsets = layout.offsets(wrt)
+    totals: Blocks = {}
+    for o in of:
+        block = np.asarray(tangents[o]).reshape(offsets[-1], -1).T
+        if o in layout.counts and return_format == "global":
+            block = gather_rows(comm, block, _flat_counts(layout, o))
+        for w, start, stop in zip(wrt, offsets, offsets[1:]):
+            if w in layout.counts and return_format == "local":
+                low, high = layout.local_rows(w, rank)
+                start, stop = start + low, start + high
+            totals[o, w] = block[:, start:stop]
+    return totals
+
+
 def _flat_counts(layout: Layout, name: str) -> list[int]:
     spec = layout.spec(name)
     tail = int(np.prod(spec.shape[1:]))

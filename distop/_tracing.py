@@ -19,6 +19,7 @@ class TotalsOptions(NamedTuple):
     of: tuple[str, ...]  # output names
     wrt: tuple[str, ...]  # input names
     with_values: bool = False  # whether it returns the outputs' values too
+    direction: str = "rev"  # "rev": sweeps seeded by `of`; "fwd": seeded by `wrt`
 
 
 class FDOptions(NamedTuple):
@@ -59,13 +60,22 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
         return lambda point, deltas: batch(
             lambda d: call_model(model, {**point, **{k: point[k] + d[k] for k in d}}),
             deltas)
-    mode, _, diff_names, with_values = options  # differentiate only what was asked for
+    mode, of_names, diff_names, with_values, direction = options
     if mode == "batched" and not vectorize:
         mode = "loop"
 
+    def sweeps(sweep: Callable[[Any], Any], seeds: dict[str, Any]) -> dict[str, Any]:
+        """`sweep` of every row of `seeds`, stacked, as `mode` says."""
+        if mode == "batched":
+            return batch(sweep, seeds)
+        if mode == "loop":
+            return lax.scan(lambda carry, seed: (carry, sweep(seed)), None, seeds)[1]
+        n = next(iter(seeds.values())).shape[0]
+        rows = [sweep({k: row(v, i) for k, v in seeds.items()}) for i in range(n)]
+        return {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
+
     def totals(point: dict[str, Any], *packed: Any) -> dict[Any, Any]:
-        seeds = split_seeds(packed, layout)
-        diff = {k: point[k] for k in diff_names}
+        diff = {k: point[k] for k in diff_names}  # differentiate only what was asked for
         rest = {k: v for k, v in point.items() if k not in diff}
         order: list[str] = []  # the model's order of its outputs (jax.vjp's is sorted)
 
@@ -74,16 +84,13 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
             order[:] = values
             return values
 
-        values, back = pullback(restricted, diff)
-        if mode == "batched":
-            cts = batch(lambda seed: back(seed)[0], seeds)
-        elif mode == "loop":
-            cts = lax.scan(lambda carry, seed: (carry, back(seed)), None, seeds)[1][0]
-        else:
-            n = next(iter(seeds.values())).shape[0]
-            rows = [back({k: row(v, i) for k, v in seeds.items()})[0]
-                    for i in range(n)]
-            cts = {k: jnp.stack([r[k] for r in rows]) for k in diff_names}
+        if direction == "fwd":  # one sweep per entry of `wrt`: of name -> tangents
+            values, ahead = linearized(restricted, diff)
+            cts = sweeps(lambda t: {k: ahead(t)[k] for k in of_names},
+                         dict(zip(diff_names, packed)))
+        else:  # one sweep per entry of `of`: wrt name -> cotangents
+            values, back = pullback(restricted, diff)
+            cts = sweeps(lambda seed: back(seed)[0], split_seeds(packed, layout))
         if not with_values:
             return cts
         # (packed in the model's order, as `run` packs them: XLA then makes no copy
@@ -92,6 +99,18 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
                 **{("total", k): v for k, v in cts.items()}}
 
     return totals
+
+
+def linearized(fn: Callable[[Any], Any], diff: dict[str, Any],
+               ) -> tuple[Any, Callable[[Any], Any]]:
+    """`jax.linearize(fn, diff)`: the values and the linear map of the tangents; on the
+    lean path the token leaves `jax.linearize` as an output of its own, as in
+    `pullback`."""
+    session = _ffi.session()
+    if session is None:
+        return jax.linearize(fn, diff)
+    (values, session.token), ahead = jax.linearize(lambda d: (fn(d), session.token), diff)
+    return values, lambda tangent: ahead(tangent)[0]
 
 
 def pullback(fn: Callable[[Any], Any], diff: dict[str, Any],

@@ -173,6 +173,30 @@ def totals_in_all_four_combinations_match_dense_references():
     # an `of` subset that leaves an operator's outputs unused: every VJP still runs
     only_loss = problem.compute_totals(of="loss", wrt="x")
     all_close_everywhere(comm, only_loss["loss", "x"], 2 * residual[None] @ a)
+    # forward sweeps, one per global entry of wrt (the columns of b on their owners)
+    tangent_op = WithJvp(mine(a))
+
+    def tangent_model(x, b):
+        r = tangent_op(x, b)
+        return {"r": r, "loss": distop.AllreduceSum()(jnp.sum(r ** 2))}
+
+    forward = distop.Problem(tangent_model, {"x": x, "b": mine(bg)}, distributed={"b", "r"})
+    for mode in ("batched", "loop", "unrolled"):
+        for return_format in ("global", "local"):
+            want = problem.compute_totals(mode=mode, return_format=return_format)
+            got = forward.compute_totals(mode=mode, return_format=return_format,
+                                         direction="fwd")
+            assert set(got) == set(want), (got.keys(), want.keys())
+            for key in want:
+                all_close_everywhere(comm, got[key], want[key])
+
+
+class WithJvp(Residual):
+    """`Residual` with its jvp: r_dot = A x_dot - b_dot."""
+
+    def jvp(self, comm, tangents, x, b):
+        x_dot, b_dot = tangents
+        return self.A @ x_dot - b_dot
 
 
 # -- VJP bugs on one rank -------------------------------------------------------------

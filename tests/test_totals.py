@@ -6,6 +6,7 @@ import fractions
 import inspect
 import io
 
+import jax
 import jax.numpy as jnp
 import mpi_distributed
 import numpy as np
@@ -133,3 +134,60 @@ def test_check_totals_refuses_a_step_or_tolerance_that_is_not_a_number_it_can_us
     out = io.StringIO()
     r = problem.check_totals(out_stream=out, step=1e200)["y", "x"]
     assert not r.ok and not np.isfinite(r.J_fd).any() and "FAILED" in out.getvalue()
+
+
+class _Wave(distop.DistributedOperator):
+    """y = sin(x) x, with a vjp and a jvp, batched."""
+
+    batched_vjp = batched_jvp = True
+
+    def forward(self, comm, x):
+        return np.sin(x) * x
+
+    def vjp(self, comm, y_bar, x, batched=False):
+        return y_bar * (np.cos(x) * x + np.sin(x))
+
+    def jvp(self, comm, x_dot, x, batched=False):
+        return x_dot * (np.cos(x) * x + np.sin(x))
+
+
+def test_forward_sweeps_give_the_reverse_sweeps_totals():
+    op = _Wave()
+
+    def model(u, k):
+        v = jax.lax.scan(lambda c, _: (op(c) * k, None), u, None, length=3)[0]
+        return {"y": v, "s": jnp.sum(op(v) ** 2) * k}
+
+    problem = distop.Problem(model, {"u": np.linspace(0.1, 0.9, 4), "k": np.array(0.7)})
+    reverse = problem.compute_totals()
+    for direction in ("fwd", "auto"):
+        for mode in ("batched", "loop", "unrolled"):
+            for return_format in ("global", "local"):
+                J = problem.compute_totals(direction=direction, mode=mode,
+                                           return_format=return_format)
+                assert set(J) == set(reverse)
+                for key in reverse:
+                    np.testing.assert_allclose(J[key], reverse[key], rtol=1e-12)
+    _, J = problem.run_and_compute_totals("s", "u", direction="fwd")
+    np.testing.assert_allclose(J["s", "u"], reverse["s", "u"], rtol=1e-12)
+    with pytest.raises(ValueError, match=r"direction='sideways'\): expected one of"):
+        problem.compute_totals(direction="sideways")
+
+
+def test_forward_sweeps_need_every_operator_to_have_a_jvp():
+    class NoJvp(distop.DistributedOperator):
+        def forward(self, comm, x):
+            return 2 * x
+
+        def vjp(self, comm, y_bar, x):
+            return 2 * y_bar
+
+    problem = distop.Problem(lambda u: {"y": NoJvp()(u)}, {"u": np.ones(3)})
+    np.testing.assert_array_equal(problem.compute_totals()["y", "u"], 2 * np.eye(3))
+    with pytest.raises(distop.MissingMethodError, match=r"NoJvp does not implement jvp.*"
+                                                        r"direction='fwd'"):
+        problem.compute_totals(direction="fwd")
+    # auto picks reverse for one row, so no jvp is needed
+    problem2 = distop.Problem(lambda u: {"s": jnp.sum(NoJvp()(u))}, {"u": np.ones(3)})
+    np.testing.assert_array_equal(problem2.compute_totals(direction="auto")["s", "u"],
+                                  2 * np.ones((1, 3)))

@@ -317,8 +317,8 @@ class Problem:
 
         evaluations = _totals.Evaluations(self.comm, self.distributed, layout, point, self.run,
                                           self.compute_totals, perturbed)
-        return _totals.check_totals(evaluations, of, wrt, form=form, step=step, atol=atol,
-                                    rtol=rtol, out_stream=out_stream,
+        return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
+                                    atol=atol, rtol=rtol, out_stream=out_stream,
                                     raise_on_error=raise_on_error,
                                     show_only_incorrect=show_only_incorrect)
 

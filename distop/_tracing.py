@@ -27,6 +27,7 @@ class FDOptions(NamedTuple):
     wrt: tuple[str, ...]  # input names
     form: str  # "central", "forward" or "backward"
     step: float
+    method: str = "fd"  # "fd" (finite differences) or "cs" (complex step)
 
 
 def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:

@@ -348,8 +348,9 @@ def of_subsets_still_run_every_vjp_and_fd_is_one_batched_call():
     a.calls.clear()
     problem.check_totals(out_stream=None)
     batched = [c for c in a.calls if c[0] == "forward" and len(c[1]) == 2]
-    # central differences: every perturbation of x (2 x 3 rows) in ONE batched call
-    assert batched == [("forward", (6, 3))], a.calls
+    # central differences at the step and twice it: every perturbation of x (2 x 2 x 3
+    # rows) in ONE batched call
+    assert batched == [("forward", (12, 3))], a.calls
 
 
 # -- bad input ------------------------------------------------------------------------

@@ -267,6 +267,20 @@ def check_options(method: str, form: str, step: float, atol: float,
     return float(step), float(atol), float(rtol)  # (a Fraction, say)
 
 
+def check_complex_step(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...]) -> None:
+    """Refuse `check_totals(method="cs")` of complex inputs or outputs: the complex
+    step perturbs real values along the imaginary axis, and reads the derivative off
+    the imaginary part of real outputs."""
+    for kind, names, specs in (("input", wrt, layout.inputs), ("output", of, layout.outputs)):
+        found = [n for n in names if np.issubdtype(specs[n].dtype, np.complexfloating)]
+        if found:
+            raise ValueError(
+                f"check_totals(method='cs'): {kind}s {found} are complex; the complex step "
+                "perturbs real inputs along the imaginary axis and reads real outputs' "
+                f"imaginary parts. Leave them out ({'wrt' if kind == 'input' else 'of'}"
+                "=...) or use method='fd'.")
+
+
 def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...], *,
                  method: str, form: str, step: float, atol: float, rtol: float,
                  out_stream: Any, raise_on_error: bool,

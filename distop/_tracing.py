@@ -10,6 +10,7 @@ from jax import lax
 
 from . import _ffi
 from ._layout import row, split_seeds
+from ._operator import complex_step
 
 
 class TotalsOptions(NamedTuple):
@@ -57,9 +58,11 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
     if name == "run":
         return lambda point: call_model(model, point)
     if name == "fd":
-        return lambda point, deltas: batch(
-            lambda d: call_model(model, {**point, **{k: point[k] + d[k] for k in d}}),
-            deltas)
+        def perturbed(point: dict[str, Any], deltas: dict[str, Any]) -> Any:
+            with complex_step(options[3] == "cs"):
+                return batch(lambda d: call_model(
+                    model, {**point, **{k: point[k] + d[k] for k in d}}), deltas)
+        return perturbed
     mode, _, diff_names, with_values = options  # differentiate only what was asked for
     if mode == "batched" and not vectorize:
         mode = "loop"

@@ -5,6 +5,7 @@ aborts the whole job (so no rank waits forever) and the test sees a non-zero exi
 """
 
 import fractions
+import io
 import logging
 import os
 import sys
@@ -1813,6 +1814,75 @@ def a_stencil_on_a_halo_in_a_problem_with_distributed_input_and_output():
     all_close_everywhere(comm, J["y", "x"], expected["y"], atol=1e-14)
     all_close_everywhere(comm, J["f", "x"], expected["f"][None], atol=1e-14)
     assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
+class OffOnTheLastRank(distop.DistributedOperator):
+    """The sum over ranks, rank-local in, replicated out, whose vjp is wrong on the last
+    rank only (its forward and jvp are right)."""
+
+    forward_collectives = jvp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    def vjp(self, comm, y_bar, x):
+        return y_bar * (1.5 if comm.Get_rank() == comm.Get_size() - 1 else 1.0)
+
+    def jvp(self, comm, t, x):
+        return self.forward(comm, t)
+
+
+PAIRS = {"jvp vs fd", "vjp vs fd", "vjp vs jvp", "forward batched", "jvp batched",
+         "vjp batched"}
+
+
+@case("collectives")
+def check_operator_passes_the_built_ins_and_names_a_wrong_vjp():
+    rng = np.random.default_rng([3, rank])
+    mine = rng.uniform(0.5, 1.5, 3)  # rank-local: each rank's own
+    rows = rng.uniform(0.5, 1.5, (BLOCKS[rank], 2))  # a distributed block, maybe empty
+    p = np.linspace(0.5, 1.5, ROWS)  # replicated
+    last = size - 1
+    cases = [(distop.AllreduceSum(), (mine,), dict(replicated_outputs=[0])),
+             (distop.Allreduce(op="prod"), (mine,), dict(replicated_outputs=[0])),
+             (distop.Allreduce(op="max"), (mine,), dict(replicated_outputs=[0])),
+             (distop.Scan(), (mine,), {}), (distop.Exscan(), (mine,), {}),
+             (distop.Allgather(), (rows,), dict(replicated_outputs=[0])),
+             (distop.Split(counts=tuple(BLOCKS)), (p,), dict(replicated_inputs=[0])),
+             (distop.Alltoall(), (rows,), {}),
+             (distop.Broadcast(root=last), (mine,), dict(replicated_outputs=[0])),
+             (distop.RankLocal(), (p,), dict(replicated_inputs=[0])),
+             (distop.Reduce(root=last), (mine,), {}), (distop.Gather(), (rows,), {}),
+             (distop.Scatter(root=last, counts=tuple(BLOCKS)), (p * (rank + 1),), {}),
+             (distop.HaloExchange(width=2, boundary="periodic"), (rows,), {})]
+    for op, args, kinds in cases:
+        results = distop.check_operator(op, *args, out_stream=None, **kinds)
+        assert set(results) == PAIRS and all(r.ok for r in results.values()), (op, results)
+    if size > 1:  # a replicated output summed over ranks as if rank-local: P times too much
+        assert not distop.check_operator(distop.AllreduceSum(), mine,
+                                         out_stream=None)["vjp vs jvp"].ok
+
+    out = io.StringIO()
+    results = distop.check_operator(OffOnTheLastRank(), mine, replicated_outputs=[0],
+                                    out_stream=out)
+    failed = {pair for pair, r in results.items() if not r.ok}
+    assert failed == {"vjp vs fd", "vjp vs jvp"}, results
+    if rank == 0:
+        text = out.getvalue()
+        assert f"OffOnTheLastRank on {size} rank(s)" in text and "<-- FAILED" in text, text
+        assert ("check_operator: OffOnTheLastRank.vjp is wrong: it disagrees with finite "
+                "differences, which jvp agrees with") in text, text
+    else:
+        assert out.getvalue() == ""
+    try:
+        distop.check_operator(OffOnTheLastRank(), mine, replicated_outputs=[0],
+                              out_stream=None, raise_on_error=True)
+    except distop.DerivativeCheckError as err:
+        assert "check_operator(OffOnTheLastRank): vjp vs fd: error" in str(err), err
+    else:
+        raise AssertionError("no DerivativeCheckError")
 
 
 if __name__ == "__main__":

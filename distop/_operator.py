@@ -225,7 +225,7 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     if stepped and not type(op).takes_complex_step(op):
         raise DistopError(_refused_complex_step(op, "its forward would get complex inputs, "
                                                 "which it does not take (" + (
-            "takes_complex_step() is False for this instance" if type(op).complex_step
+            "takes_complex_step() is False with these fields" if type(op).complex_step
             else "it does not declare complex_step = True") + ")"))
     out_specs = type(op).output_spec(op, *in_specs)  # class-level: no bound-method wrap
     several = isinstance(out_specs, (tuple, list))
@@ -422,7 +422,7 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any,
 
 def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
     if call.phase == "forward":
-        raise NotImplementedError(f"{call.where} is not linear")
+        return _transpose_forward(cts, *args, call=call)
     if call.lean:
         args, cts = args[1:], cts[1:]
     inputs = args[call.n_linear:]
@@ -440,6 +440,51 @@ def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
         unbatched = tuple(k for k, on in enumerate(levels) if not on)
         results.append(jnp.sum(result, axis=unbatched) if unbatched else result)
     results += [None] * len(inputs)
+    return [None] + results if call.lean else results
+
+
+def _transpose_forward(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
+    """The transpose of a forward call (`jax.linear_transpose`): its `vjp` call, at zero
+    inputs, for an operator that declares itself linear."""
+    name, op = type(call.op).__name__, call.op
+    rank = call.comm.Get_rank() if call.comm is not None else 0
+    if not type(op).is_linear(op):
+        why = ("is not linear with these fields (is_linear() is False)" if type(op).linear
+               else "is not declared linear")
+        raise DistopError(
+            f"jax.linear_transpose: {name}.forward on rank {rank} {why}, so it has no "
+            "transpose. Declare linear = True in the class if forward is linear in its "
+            "floating-point inputs together (its vjp is then the transpose), or transpose "
+            "its linearization instead (jax.vjp of the function).")
+    if call.lean:
+        args, cts = args[1:], cts[1:]
+    known = [k for k, (x, spec) in enumerate(zip(args, call.in_specs))
+             if inexact_spec(spec) and not ad.is_undefined_primal(x)]
+    if known:
+        raise DistopError(
+            f"jax.linear_transpose: {name}.forward on rank {rank} is linear in its "
+            f"floating-point inputs together, but inputs {known} are known values here, "
+            "which makes the call affine in the others, not linear. Pass every "
+            "floating-point input of the call as a linear argument.")
+    vjp = "vjp"
+    if getattr(type(op), vjp) is getattr(DistributedOperator, vjp):
+        raise MissingMethodError(_missing(op, vjp))
+    # (a linear map's vjp is the same at every point: zero inputs stand for the unknown)
+    inputs = [jnp.zeros(x.aval.shape, x.aval.dtype) if ad.is_undefined_primal(x) else x
+              for x in args]
+    transposed = call.with_phase(vjp)
+    cts = [ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts]
+    linear = [cts[j] for j, spec in enumerate(call.out_specs) if inexact_spec(spec)]
+    found = iter(_bind(transposed, [*linear, *inputs]))
+    results: list[Any] = []
+    for x, spec, levels in zip(args, call.in_specs, call.levels):
+        result = next(found) if inexact_spec(spec) else None
+        if not ad.is_undefined_primal(x):
+            result = None
+        elif result is not None:  # an input without some batch axis: summed over it
+            unbatched = tuple(k for k, on in enumerate(levels) if not on)
+            result = jnp.sum(result, axis=unbatched) if unbatched else result
+        results.append(result)
     return [None] + results if call.lean else results
 
 

@@ -48,6 +48,8 @@ class Allreduce(DistributedOperator):
     """
 
     op: str = "sum"
+    linear = True  # (with op="sum" only: see `is_linear`)
+    complex_step = True  # (not with max or min: see `takes_complex_step`)
     forward_collectives = ("Allreduce",)
     vjp_collectives = ("Allreduce", "Allgather")
     jvp_collectives = ("Allreduce", "Allgather")

@@ -89,6 +89,21 @@ def estimate(method: str, form: str, values: list[np.ndarray], base: np.ndarray 
     return Estimate(d1, rounding, np.abs(d1 - d2))
 
 
+def judge(got: np.ndarray, ref: np.ndarray,
+          allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Judge each entry of `got` against `ref` and what it is `allowed`.
+
+    **Returns:** `(diff, within, share)`: |got - ref|; whether it is within the
+    allowance (an infinite or NaN difference or allowance is not: inf <= inf would
+    pass); the difference as a share of the allowance (inf where not within).
+    """
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        diff = np.abs(got - ref)
+        within = np.isfinite(diff) & np.isfinite(allowed) & (diff <= allowed)
+        share = np.where(within, np.where(diff > 0, diff / allowed, 0.0), np.inf)
+    return diff, within, share
+
+
 def better_step(method: str, form: str, step: float, rounding: float, truncation: float,
                 eps: float, scale: float) -> float | None:
     """The step at which the estimated error would be about least.

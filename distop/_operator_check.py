@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _comm
 from ._calls.host import inexact_dtype
-from ._differences import estimate, multiples
+from ._differences import estimate, judge, multiples
 from ._errors import DerivativeCheckError, DistopError, MissingMethodError
 from ._operator import DistributedOperator, as_arrays
 from ._totals import STDOUT
@@ -213,10 +213,7 @@ def _differences(f: Callable[..., Any], primals: Sequence[Any], tangents: Sequen
 def _entrywise(comm: Any, pair: str, got: np.ndarray, ref: np.ndarray,
                allowed: np.ndarray) -> OperatorCheck:
     """Compare two vectors entry by entry on every rank; the worst over the ranks."""
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        diff = np.abs(got - ref)
-        within = np.isfinite(diff) & np.isfinite(allowed) & (diff <= allowed)
-        share = np.where(within, np.where(diff > 0, diff / allowed, 0.0), np.inf)
+    diff, within, share = judge(got, ref, allowed)
     k = int(np.argmax(share)) if share.size else -1
     mine = (float(share[k]), float(diff[k]), float(allowed[k]), k) if k >= 0 else (
         0.0, 0.0, 0.0, -1)

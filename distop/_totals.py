@@ -19,6 +19,7 @@ from ._differences import (
     Estimate,
     better_step,
     estimate,
+    judge,
     multiples,
     needs_base,
 )
@@ -334,15 +335,12 @@ def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
 def _compare(J: np.ndarray, fd: Estimate, atol: float, rtol: float,
              inconsistent: list[int]) -> TotalsCheck:
     """Judge every entry of `J` against the estimate `fd` and the error it carries."""
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # (inf, NaN: not ok)
-        diff = np.abs(J - fd.value)
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
         allowed = atol + rtol * np.abs(fd.value) + fd.error
-        # (an infinite or NaN derivative or allowance fails: inf <= inf would pass)
-        within = np.isfinite(diff) & np.isfinite(allowed) & (diff <= allowed)
-        share = np.where(within, np.where(diff > 0, diff / allowed, 0.0), np.inf)
+    diff, within, share = judge(J, fd.value, allowed)
     if not diff.size:
         return TotalsCheck(J, fd.value, 0.0, 0.0, True, inconsistent, None, 0.0, fd.error)
-    flat = int(np.argmax(np.where(np.isnan(share), np.inf, share)))
+    flat = int(np.argmax(share))
     worst = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
     abs_error = float(diff[worst])
     scale = float(np.abs(fd.value[worst]))

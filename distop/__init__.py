@@ -22,6 +22,8 @@ from ._errors import SecondDerivativeError as SecondDerivativeError
 from ._halo import HaloExchange as HaloExchange
 from ._implicit import ImplicitOperator as ImplicitOperator
 from ._operator import DistributedOperator as DistributedOperator
+from ._operator_check import OperatorCheck as OperatorCheck
+from ._operator_check import check_operator as check_operator
 from ._problem import Problem as Problem
 from ._problem import empty as empty
 from ._reductions import Allreduce as Allreduce

@@ -31,6 +31,8 @@ class AllreduceSum(DistributedOperator):
 
     forward_collectives = ("Allreduce",)
     jvp_collectives = ("Allreduce",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -61,6 +63,8 @@ class Allgather(DistributedOperator):
     forward_collectives = ("Allgather", "Allgatherv")
     vjp_collectives = ("Allgather",)
     jvp_collectives = ("Allgather", "Allgatherv")
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -98,6 +102,8 @@ class Split(DistributedOperator):
 
     counts: tuple[int, ...] | None = None
     vjp_collectives = ("Allgather", "Allgatherv")
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -145,6 +151,8 @@ class Alltoall(DistributedOperator):
     forward_collectives = ("Allgather", "Alltoallv")
     vjp_collectives = ("Allgather", "Alltoallv")
     jvp_collectives = ("Allgather", "Alltoallv")
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -188,6 +196,8 @@ class Broadcast(DistributedOperator):
     root: int = 0
     forward_collectives = ("Bcast",)
     jvp_collectives = ("Bcast",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -216,6 +226,8 @@ class RankLocal(DistributedOperator):
     """
 
     vjp_collectives = ("Allreduce",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True

@@ -84,6 +84,8 @@ class HaloExchange(DistributedOperator):
     forward_collectives = ("Allgather", "Alltoallv")
     vjp_collectives = ("Allgather", "Alltoallv")
     jvp_collectives = ("Allgather", "Alltoallv")
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True

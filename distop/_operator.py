@@ -10,7 +10,9 @@ place in program order on every rank and keeps XLA from dropping, duplicating or
 overlapping it.
 """
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -32,7 +34,7 @@ from ._compat import (
     no_effects,
     primitive_linearizations,
 )
-from ._errors import MissingMethodError, SecondDerivativeError
+from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._guard import check_declarations
 
 
@@ -65,6 +67,13 @@ class DistributedOperator(eqx.Module):
       collectives and its communicator has more than one rank; True/False force it.
       Also settable per instance: `MyOp(A, ordered=False)`. Inside a `Problem` on the
       lean path, every call not set to False is ordered by the token.
+    - `linear`: True if `forward` is linear in its floating-point inputs together
+      (f(a x + b y) = a f(x) + b f(y)); `jax.linear_transpose` then transposes a call
+      into a `vjp` call (at zero inputs). Default False.
+    - `complex_step`: True if `forward`, given complex inputs, computes the same
+      formulas on them and returns complex outputs (no `abs`, `conj`, `real` or
+      comparisons of them), so that `check_totals(method="cs")` may perturb it along
+      the imaginary axis. Default False.
 
     Fields every operator has (keyword-only, optional):
     - `comm`: the MPI communicator (default `MPI.COMM_WORLD`). User code receives a
@@ -82,6 +91,8 @@ class DistributedOperator(eqx.Module):
     batched_vjp: ClassVar[bool] = False
     batched_jvp: ClassVar[bool] = False
     unbatched: ClassVar[str] = "broadcast"
+    linear: ClassVar[bool] = False
+    complex_step: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -151,6 +162,17 @@ class DistributedOperator(eqx.Module):
             return False
         return _comm.private(self.comm).Get_size() > 1
 
+    def is_linear(self) -> bool:
+        """**Returns:** whether this operator is linear (see `linear`); an operator whose
+        linearity depends on its fields overrides it."""
+        return bool(type(self).linear)
+
+    def takes_complex_step(self) -> bool:
+        """**Returns:** whether this operator may be perturbed along the imaginary axis
+        (see `complex_step`); an operator for which it depends on its fields overrides
+        it."""
+        return bool(type(self).complex_step)
+
     def __call__(self, *inputs: Any) -> Any:
         return apply(self, inputs)
 
@@ -199,6 +221,12 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
                                  "which every operator needs.")
     arrays = as_arrays(name, inputs)
     in_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    stepped = _complex_step.get() and any(jnp.iscomplexobj(a) for a in arrays)
+    if stepped and not type(op).takes_complex_step(op):
+        raise DistopError(_refused_complex_step(op, "its forward would get complex inputs, "
+                                                "which it does not take (" + (
+            "takes_complex_step() is False with these fields" if type(op).complex_step
+            else "it does not declare complex_step = True") + ")"))
     out_specs = type(op).output_spec(op, *in_specs)  # class-level: no bound-method wrap
     several = isinstance(out_specs, (tuple, list))
     out_specs = tuple(out_specs) if several else (out_specs,)
@@ -210,6 +238,11 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     # between ranks that return the same sizes as different types)
     out_specs = tuple(jax.ShapeDtypeStruct(tuple(map(int, s.shape)), s.dtype)
                       for s in out_specs)
+    if stepped and any(inexact_spec(s) and not jnp.issubdtype(s.dtype, jnp.complexfloating)
+                       for s in out_specs):
+        raise DistopError(_refused_complex_step(op, "its output_spec gives a real output "
+                                                "for complex inputs, which drops the "
+                                                "imaginary part"))
     ordered = type(op).is_ordered(op)
     # In a Problem's program every call not declared unordered takes the lean path:
     # ordered by the token, and fusable. (Even where nothing needs ordering, in one
@@ -220,6 +253,31 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
                     out_specs, lean=lean)
     outs = _bind(call, arrays)
     return tuple(outs) if several else outs[0]
+
+
+# Whether the program being traced is check_totals' complex step: every operator
+# given complex values then must declare that it takes them.
+_complex_step: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "distop_complex_step", default=False)
+
+
+@contextlib.contextmanager
+def complex_step(on: bool) -> Iterator[None]:
+    """Trace, within, the program of `check_totals(method="cs")` (if `on`): an operator
+    given complex values must declare `complex_step = True`."""
+    token = _complex_step.set(on)
+    try:
+        yield
+    finally:
+        _complex_step.reset(token)
+
+
+def _refused_complex_step(op: DistributedOperator, why: str) -> str:
+    rank = _comm.private(op.comm).Get_rank()
+    return (f"check_totals(method='cs'): {type(op).__name__}.forward on rank {rank} (and "
+            f"every rank alike): {why}. Declare complex_step = True in the class if its "
+            "forward computes the same formulas on complex values (and returns complex "
+            "outputs for them), or check with method='fd'.")
 
 
 def explicit_order(op: DistributedOperator) -> bool | None:
@@ -365,7 +423,7 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any,
 
 def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
     if call.phase == "forward":
-        raise NotImplementedError(f"{call.where} is not linear")
+        return _transpose_forward(cts, *args, call=call)
     if call.lean:
         args, cts = args[1:], cts[1:]
     inputs = args[call.n_linear:]
@@ -383,6 +441,51 @@ def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
         unbatched = tuple(k for k, on in enumerate(levels) if not on)
         results.append(jnp.sum(result, axis=unbatched) if unbatched else result)
     results += [None] * len(inputs)
+    return [None] + results if call.lean else results
+
+
+def _transpose_forward(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
+    """The transpose of a forward call (`jax.linear_transpose`): its `vjp` call, at zero
+    inputs, for an operator that declares itself linear."""
+    name, op = type(call.op).__name__, call.op
+    rank = call.comm.Get_rank() if call.comm is not None else 0
+    if not type(op).is_linear(op):
+        why = ("is not linear with these fields (is_linear() is False)" if type(op).linear
+               else "is not declared linear")
+        raise DistopError(
+            f"jax.linear_transpose: {name}.forward on rank {rank} {why}, so it has no "
+            "transpose. Declare linear = True in the class if forward is linear in its "
+            "floating-point inputs together (its vjp is then the transpose), or transpose "
+            "its linearization instead (jax.vjp of the function).")
+    if call.lean:
+        args, cts = args[1:], cts[1:]
+    known = [k for k, (x, spec) in enumerate(zip(args, call.in_specs))
+             if inexact_spec(spec) and not ad.is_undefined_primal(x)]
+    if known:
+        raise DistopError(
+            f"jax.linear_transpose: {name}.forward on rank {rank} is linear in its "
+            f"floating-point inputs together, but inputs {known} are known values here, "
+            "which makes the call affine in the others, not linear. Pass every "
+            "floating-point input of the call as a linear argument.")
+    vjp = "vjp"
+    if getattr(type(op), vjp) is getattr(DistributedOperator, vjp):
+        raise MissingMethodError(_missing(op, vjp))
+    # (a linear map's vjp is the same at every point: zero inputs stand for the unknown)
+    inputs = [jnp.zeros(x.aval.shape, x.aval.dtype) if ad.is_undefined_primal(x) else x
+              for x in args]
+    transposed = call.with_phase(vjp)
+    cts = [ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts]
+    linear = [cts[j] for j, spec in enumerate(call.out_specs) if inexact_spec(spec)]
+    found = iter(_bind(transposed, [*linear, *inputs]))
+    results: list[Any] = []
+    for x, spec, levels in zip(args, call.in_specs, call.levels):
+        result = next(found) if inexact_spec(spec) else None
+        if not ad.is_undefined_primal(x):
+            result = None
+        elif result is not None:  # an input without some batch axis: summed over it
+            unbatched = tuple(k for k, on in enumerate(levels) if not on)
+            result = jnp.sum(result, axis=unbatched) if unbatched else result
+        results.append(result)
     return [None] + results if call.lean else results
 
 

@@ -290,14 +290,18 @@ class Problem:
                      ) -> dict[tuple[str, str], _totals.TotalsCheck]:
         """Compare `compute_totals` with finite differences, on every rank.
 
-        A block fails where |J - J_fd| > atol + rtol * |J_fd| anywhere, or where ranks
-        disagree on J. Perturbations run as one batched program call.
+        A block fails where |J - J_fd| > atol + rtol * |J_fd| + e_fd at some entry, e_fd
+        being the error J_fd carries itself (its rounding and truncation, estimated from
+        evaluations at the step and twice the step), or where ranks disagree on J.
+        Perturbations run as one batched program call.
 
         **Arguments:**
         - `of`, `wrt`: as for `compute_totals`.
-        - `method`: `"fd"` (finite differences).
-        - `form`: `"central"`, `"forward"` or `"backward"`.
-        - `step`: the finite-difference step.
+        - `method`: `"fd"` (finite differences) or `"cs"` (complex step: the imaginary
+          part of f(x + i h) / h, free of rounding in the difference; real inputs and
+          outputs, and every operator given complex values declares `complex_step`).
+        - `form`: `"central"`, `"forward"` or `"backward"` (finite differences).
+        - `step`: the step.
         - `atol`, `rtol`: the tolerances.
         - `out_stream`: where rank 0 prints the table: by default `sys.stdout` as it is
           at the call (redirected or captured, say); None prints nothing.
@@ -305,7 +309,7 @@ class Problem:
         - `show_only_incorrect`: print only failing blocks.
 
         **Returns:** dict of `(of, wrt)` -> `TotalsCheck` with `J`, `J_fd`, `abs_error`,
-        `rel_error`, `ok` and `inconsistent_ranks`.
+        `rel_error`, `ok`, `inconsistent_ranks`, `worst`, `allowed` and `fd_error`.
         """
         # the arguments are checked once the ranks agree on them: an error on every rank
         key = _totals.request_key
@@ -318,6 +322,8 @@ class Problem:
                          layout.differentiable["outputs"])
         wrt = check_names("check_totals", "wrt", wrt, self.input_names,
                           layout.differentiable["inputs"])
+        if method == "cs":
+            _totals.check_complex_step(layout, of, wrt)
 
         def perturbed(options: FDOptions, deltas: dict[str, np.ndarray]) -> dict[str, Any]:
             program = self._programs.program("fd", options, layout,
@@ -326,8 +332,8 @@ class Problem:
 
         evaluations = _totals.Evaluations(self.comm, self.distributed, layout, point, self.run,
                                           self.compute_totals, perturbed)
-        return _totals.check_totals(evaluations, of, wrt, form=form, step=step, atol=atol,
-                                    rtol=rtol, out_stream=out_stream,
+        return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
+                                    atol=atol, rtol=rtol, out_stream=out_stream,
                                     raise_on_error=raise_on_error,
                                     show_only_incorrect=show_only_incorrect)
 

@@ -48,6 +48,8 @@ class Allreduce(DistributedOperator):
     """
 
     op: str = "sum"
+    linear = True  # (with op="sum" only: see `is_linear`)
+    complex_step = True  # (not with max or min: see `takes_complex_step`)
     forward_collectives = ("Allreduce",)
     vjp_collectives = ("Allreduce", "Allgather")
     jvp_collectives = ("Allreduce", "Allgather")
@@ -65,6 +67,14 @@ class Allreduce(DistributedOperator):
                             "numbers have no order. Reduce their real part or their "
                             "modulus instead.")
         return x
+
+    def is_linear(self) -> bool:
+        """**Returns:** whether the reduction is linear: the sum only."""
+        return self.op == "sum"
+
+    def takes_complex_step(self) -> bool:
+        """**Returns:** whether complex values may be reduced: not by max or min."""
+        return self.op in ("sum", "prod")
 
     def _mpi_op(self) -> Any:
         return getattr(mpi(), self.op.upper())
@@ -123,6 +133,8 @@ class Scan(DistributedOperator):
     forward_collectives = ("Scan",)
     vjp_collectives = ("Allgather",)
     jvp_collectives = ("Scan",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -150,6 +162,8 @@ class Exscan(DistributedOperator):
     forward_collectives = ("Exscan",)
     vjp_collectives = ("Allgather",)
     jvp_collectives = ("Exscan",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True

@@ -77,6 +77,8 @@ class Reduce(DistributedOperator):
     forward_collectives = ("Reduce",)
     vjp_collectives = ("Bcast",)
     jvp_collectives = ("Reduce",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -120,6 +122,8 @@ class Gather(DistributedOperator):
     forward_collectives = ("Allgather", "Gatherv")
     vjp_collectives = ("Allgather", "Scatterv")
     jvp_collectives = ("Allgather", "Gatherv")
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -171,6 +175,8 @@ class Scatter(DistributedOperator):
     forward_collectives = ("Scatterv",)
     vjp_collectives = ("Gatherv",)
     jvp_collectives = ("Scatterv",)
+    linear = True
+    complex_step = True
     batched_forward = True
     batched_vjp = True
     batched_jvp = True

@@ -10,6 +10,7 @@ from jax import lax
 
 from . import _ffi
 from ._layout import row, split_seeds
+from ._operator import complex_step
 
 
 class TotalsOptions(NamedTuple):
@@ -28,6 +29,7 @@ class FDOptions(NamedTuple):
     wrt: tuple[str, ...]  # input names
     form: str  # "central", "forward" or "backward"
     step: float
+    method: str = "fd"  # "fd" (finite differences) or "cs" (complex step)
 
 
 def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:
@@ -57,9 +59,11 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
     if name == "run":
         return lambda point: call_model(model, point)
     if name == "fd":
-        return lambda point, deltas: batch(
-            lambda d: call_model(model, {**point, **{k: point[k] + d[k] for k in d}}),
-            deltas)
+        def perturbed(point: dict[str, Any], deltas: dict[str, Any]) -> Any:
+            with complex_step(options[3] == "cs"):
+                return batch(lambda d: call_model(
+                    model, {**point, **{k: point[k] + d[k] for k in d}}), deltas)
+        return perturbed
     mode, of_names, diff_names, with_values, direction = options
     if mode == "batched" and not vectorize:
         mode = "loop"

@@ -5,6 +5,7 @@ aborts the whole job (so no rank waits forever) and the test sees a non-zero exi
 """
 
 import fractions
+import io
 import logging
 import os
 import sys
@@ -1836,6 +1837,130 @@ def a_stencil_on_a_halo_in_a_problem_with_distributed_input_and_output():
     all_close_everywhere(comm, J["y", "x"], expected["y"], atol=1e-14)
     all_close_everywhere(comm, J["f", "x"], expected["f"][None], atol=1e-14)
     assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
+class OffOnTheLastRank(distop.DistributedOperator):
+    """The sum over ranks, rank-local in, replicated out, whose vjp is wrong on the last
+    rank only (its forward and jvp are right)."""
+
+    forward_collectives = jvp_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    def vjp(self, comm, y_bar, x):
+        return y_bar * (1.5 if comm.Get_rank() == comm.Get_size() - 1 else 1.0)
+
+    def jvp(self, comm, t, x):
+        return self.forward(comm, t)
+
+
+PAIRS = {"jvp vs fd", "vjp vs fd", "vjp vs jvp", "forward batched", "jvp batched",
+         "vjp batched"}
+
+
+@case("collectives")
+def check_operator_passes_the_built_ins_and_names_a_wrong_vjp():
+    rng = np.random.default_rng([3, rank])
+    mine = rng.uniform(0.5, 1.5, 3)  # rank-local: each rank's own
+    rows = rng.uniform(0.5, 1.5, (BLOCKS[rank], 2))  # a distributed block, maybe empty
+    p = np.linspace(0.5, 1.5, ROWS)  # replicated
+    last = size - 1
+    cases = [(distop.AllreduceSum(), (mine,), dict(replicated_outputs=[0])),
+             (distop.Allreduce(op="prod"), (mine,), dict(replicated_outputs=[0])),
+             (distop.Allreduce(op="max"), (mine,), dict(replicated_outputs=[0])),
+             (distop.Scan(), (mine,), {}), (distop.Exscan(), (mine,), {}),
+             (distop.Allgather(), (rows,), dict(replicated_outputs=[0])),
+             (distop.Split(counts=tuple(BLOCKS)), (p,), dict(replicated_inputs=[0])),
+             (distop.Alltoall(), (rows,), {}),
+             (distop.Broadcast(root=last), (mine,), dict(replicated_outputs=[0])),
+             (distop.RankLocal(), (p,), dict(replicated_inputs=[0])),
+             (distop.Reduce(root=last), (mine,), {}), (distop.Gather(), (rows,), {}),
+             (distop.Scatter(root=last, counts=tuple(BLOCKS)), (p * (rank + 1),), {}),
+             (distop.HaloExchange(width=2, boundary="periodic"), (rows,), {})]
+    for op, args, kinds in cases:
+        results = distop.check_operator(op, *args, out_stream=None, **kinds)
+        assert set(results) == PAIRS and all(r.ok for r in results.values()), (op, results)
+    if size > 1:  # a replicated output summed over ranks as if rank-local: P times too much
+        assert not distop.check_operator(distop.AllreduceSum(), mine,
+                                         out_stream=None)["vjp vs jvp"].ok
+
+    out = io.StringIO()
+    results = distop.check_operator(OffOnTheLastRank(), mine, replicated_outputs=[0],
+                                    out_stream=out)
+    failed = {pair for pair, r in results.items() if not r.ok}
+    assert failed == {"vjp vs fd", "vjp vs jvp"}, results
+    if rank == 0:
+        text = out.getvalue()
+        assert f"OffOnTheLastRank on {size} rank(s)" in text and "<-- FAILED" in text, text
+        assert ("check_operator: OffOnTheLastRank.vjp is wrong: it disagrees with finite "
+                "differences, which jvp agrees with") in text, text
+    else:
+        assert out.getvalue() == ""
+    try:
+        distop.check_operator(OffOnTheLastRank(), mine, replicated_outputs=[0],
+                              out_stream=None, raise_on_error=True)
+    except distop.DerivativeCheckError as err:
+        assert "check_operator(OffOnTheLastRank): vjp vs fd: error" in str(err), err
+    else:
+        raise AssertionError("no DerivativeCheckError")
+
+
+@case("collectives")
+def linear_operators_transpose_into_their_vjp():
+    rng = np.random.default_rng([5, rank])
+    mine = rng.uniform(0.5, 1.5, 3)
+    rows = rng.uniform(0.5, 1.5, (BLOCKS[rank], 2))
+    p = np.linspace(0.5, 1.5, ROWS)
+    last = size - 1
+    for op, x in [(distop.AllreduceSum(), mine), (distop.Allreduce(), mine),
+                  (distop.Scan(), mine), (distop.Exscan(), mine),
+                  (distop.Allgather(), rows), (distop.Split(counts=tuple(BLOCKS)), p),
+                  (distop.Alltoall(), rows), (distop.Broadcast(root=last), mine),
+                  (distop.RankLocal(), p), (distop.Reduce(root=last), mine),
+                  (distop.Gather(), rows), (distop.Scatter(root=last, counts=tuple(BLOCKS)), p),
+                  (distop.HaloExchange(width=2, boundary="periodic"), rows)]:
+        y = op(x)
+        c = np.random.default_rng([6, rank]).standard_normal(y.shape)
+        transpose = jax.linear_transpose(op, x)
+        expected = jax.vjp(op, x)[1](c)[0]
+        for found in (transpose(c)[0], jax.jit(transpose)(c)[0],
+                      jax.vmap(transpose)(np.stack([c, 2 * c]))[0][1] / 2):
+            all_close_everywhere(comm, found, expected, atol=1e-14)
+    for op, text in [(distop.Allreduce(op="max"), "Allreduce.forward on rank "
+                      f"{rank} is not linear with these fields"),
+                     (Cube(), f"Cube.forward on rank {rank} is not declared linear")]:
+        try:
+            jax.linear_transpose(op, mine)(mine)
+        except distop.DistopError as err:
+            assert f"jax.linear_transpose: {text}" in str(err), err
+        else:
+            raise AssertionError(f"no DistopError for {type(op).__name__}")
+
+    # the adjoint of a halo exchange inside a model, run by a Problem: each rank's
+    # window, squared and weighted, added back onto the rows it came from
+    def model(x):
+        halo = distop.HaloExchange()
+        return {"y": jax.linear_transpose(halo, x)(halo(x) ** 2 * (rank + 1.0))[0]}
+
+    def dense(xg):
+        padded = jnp.pad(xg, 1)
+        total = jnp.zeros(ROWS + 2)
+        for r in range(size):
+            window = slice(STARTS[r], STARTS[r] + BLOCKS[r] + 2)
+            total = total.at[window].add(padded[window] ** 2 * (r + 1.0))
+        return total[1:-1]
+
+    xg = np.linspace(0.3, 1.4, ROWS)
+    problem = distop.Problem(model, {"x": xg[STARTS[rank]:STARTS[rank] + BLOCKS[rank]]},
+                             distributed=["x", "y"])
+    y = np.concatenate(comm.allgather(np.asarray(problem.run()["y"])))
+    all_close_everywhere(comm, y, dense(xg), atol=1e-14)
+    all_close_everywhere(comm, problem.compute_totals()["y", "x"], jax.jacrev(dense)(xg),
+                         atol=1e-14)
+    assert problem.check_totals(out_stream=None)["y", "x"].ok
 
 
 if __name__ == "__main__":

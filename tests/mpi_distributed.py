@@ -124,6 +124,67 @@ def complex_values_in_jax_s_convention_with_check_totals_agreeing():
     assert not bad.check_totals(out_stream=None)["y", "z"].ok
 
 
+class Stepped(distop.DistributedOperator):
+    """y = x**3 elementwise, declared fit for the complex step; `off` makes its vjp
+    wrong by that fraction."""
+
+    off: float = 0.0
+    complex_step = True
+
+    def forward(self, comm, x):
+        return x ** 3
+
+    def vjp(self, comm, y_bar, x):
+        return (3 + 3 * self.off) * x ** 2 * y_bar
+
+
+@case
+def complex_step_checks_a_distributed_model_and_names_an_operator_refusing_it():
+    xg = np.linspace(0.4, 1.3, N)
+
+    def model(x, p):
+        h = distop.HaloExchange(boundary="periodic")(Stepped()(x))
+        y = h[:-2] * h[2:] + jnp.sin(h[1:-1])
+        s = distop.Allreduce(op="prod")(distop.RankLocal()(p) * (rank + 1.0))
+        return {"y": y, "f": distop.AllreduceSum()(jnp.sum(y ** 2)) * jnp.sum(s),
+                "g": jnp.sum(distop.Allgather()(y)) * distop.Broadcast(root=size - 1)(
+                    distop.RankLocal()(p[:1]) * (rank + 1.0))}
+
+    problem = distop.Problem(model, {"x": mine(xg), "p": np.array([0.7, 1.1])},
+                             distributed=["x", "y"])
+    check(problem, method="cs")
+    # at a tiny step the complex step has no truncation and no difference to round:
+    # J_fd to a few units in the last place
+    results = check(problem, method="cs", step=1e-30)
+    assert all(r.abs_error <= 1e-14 * max(1, np.max(np.abs(r.J)))
+               for r in results.values()), results
+    # a vjp wrong by 1e-11: within what finite differences carry, not the complex step
+    wrong = distop.Problem(lambda x: {"y": Stepped(1e-11)(x)}, {"x": mine(xg)},
+                           distributed=["x", "y"])
+    tight = dict(out_stream=None, atol=0, rtol=1e-12)
+    assert wrong.check_totals(**tight)["y", "x"].ok
+    r = wrong.check_totals(method="cs", step=1e-20, **tight)["y", "x"]
+    assert not r.ok and r.abs_error > r.allowed, r
+
+    class Unstepped(Stepped):  # (its forward would take complex values: undeclared)
+        complex_step = False
+
+    refused = distop.Problem(lambda x: {"y": Unstepped()(jnp.sin(Stepped()(x)))},
+                             {"x": mine(xg)}, distributed=["x", "y"])
+    raises(distop.DistopError, f"check_totals(method='cs'): Unstepped.forward on rank "
+           f"{rank} (and every rank alike): its forward would get complex inputs",
+           lambda: refused.check_totals(method="cs"))
+    assert refused.check_totals(out_stream=None)["y", "x"].ok  # (and nothing is stuck)
+    for model, text in [(lambda x: {"y": distop.Allreduce(op="max")(x)},
+                         "Allreduce.forward on rank"),
+                        (lambda x: {"y": jnp.abs(x)}, "output 'y' is real when its inputs")]:
+        raises(distop.DistopError, text, lambda model=model: distop.Problem(
+            model, {"x": np.ones(2)}).check_totals(method="cs"))
+    raises(ValueError, "inputs ['z'] are complex", lambda: distop.Problem(
+        lambda z: {"y": jnp.sum(z).real}, {"z": np.ones(2, complex)}).check_totals(
+            method="cs"))
+
+
 @case
 def alltoall_transpose_and_its_gradient():
     m = 5
@@ -372,8 +433,9 @@ def of_subsets_still_run_every_vjp_and_fd_is_one_batched_call():
     a.calls.clear()
     problem.check_totals(out_stream=None)
     batched = [c for c in a.calls if c[0] == "forward" and len(c[1]) == 2]
-    # central differences: every perturbation of x (2 x 3 rows) in ONE batched call
-    assert batched == [("forward", (6, 3))], a.calls
+    # central differences at the step and twice it: every perturbation of x (2 x 2 x 3
+    # rows) in ONE batched call
+    assert batched == [("forward", (12, 3))], a.calls
 
 
 # -- bad input ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import contextlib
 import fractions
 import inspect
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,11 @@ def test_check_totals_options_and_table():
         results = problem.check_totals(form=form, out_stream=out, step=1e-7, atol=1e-6)
         assert set(results) == {("y", "x"), ("z", "x")}
         r = results["z", "x"]
-        assert r.ok and r.inconsistent_ranks == [] and r.rel_error < 1e-5
+        assert r.ok and r.inconsistent_ranks == [] and r.abs_error <= r.allowed
         np.testing.assert_allclose(r.J, [[0.0, 2.0, 4.0]])
         text = out.getvalue()
-        assert "of" in text and "|J_fd|" in text and "abs error" in text and "z" in text
+        assert "of" in text and "J_fd" in text and "abs error" in text and "z" in text
+        assert "allowed" in text and "worst" in text
     quiet = io.StringIO()
     problem.check_totals(out_stream=quiet, show_only_incorrect=True)
     assert "z " not in quiet.getvalue()
@@ -43,11 +45,11 @@ def test_check_totals_options_and_table():
 def test_check_totals_prints_to_stdout_as_it_is_when_called(capsys):
     problem = distop.Problem(lambda x: {"z": jnp.sum(x ** 2)}, {"x": np.arange(3.0)})
     problem.check_totals()
-    assert "|J_fd|" in capsys.readouterr().out  # pytest's capture, made after import
+    assert "J_fd" in capsys.readouterr().out  # pytest's capture, made after import
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         problem.check_totals()
-    assert "|J_fd|" in out.getvalue() and "|J_fd|" not in capsys.readouterr().out
+    assert "J_fd" in out.getvalue() and "J_fd" not in capsys.readouterr().out
     # the signature shows the default as sys.stdout (annotated: `out_stream: Any = ...`)
     shown = inspect.signature(distop.Problem.check_totals).parameters["out_stream"]
     assert repr(shown.default) == "sys.stdout", shown
@@ -87,33 +89,111 @@ def test_check_totals_perturbs_in_a_loop_where_only_its_perturbations_cannot_vma
     np.testing.assert_allclose(r.J, [[0.0, 2.0, 4.0]])
 
 
-def test_check_totals_says_where_rtol_asks_more_than_finite_differences_make():
+def test_check_totals_says_where_finite_differences_err_more_than_rtol():
     def model(x):
         return {"y": jnp.sum(x ** 2)}
 
+    def wrong(x):  # a gradient 1% off: 2.02 x
+        return {"y": Wrong(0.01)(x)}
+
+    # float32 at step 1e-6: the rounding of y(x +- h) swamps the difference
     single = distop.Problem(model, {"x": np.ones(3, np.float32)})
     out = io.StringIO()
-    assert not single.check_totals(out_stream=out)["y", "x"].ok  # step 1e-6 in float32
-    assert ("with float32 values, central differences at step=1e-06 have a relative error "
-            "of about 1e-01, more than rtol=1e-06; at best about 5e-05, near step=5e-03") in (
-        out.getvalue()), out.getvalue()
-    # a float32 output named as a float64 input is the output's precision
+    r = single.check_totals(out_stream=out)["y", "x"]
+    note = re.search(r"central differences at step=1e-06 carry an error of about (\S+) "
+                     r"\(rounding (\S+), truncation (\S+)\), .* more than rtol=1e-06; each "
+                     r"entry is judged with its own. About step=(\S+) would make it less.",
+                     out.getvalue())
+    assert note, out.getvalue()
+    assert float(note.group(2)) > 10 * float(note.group(3))  # rounding, not truncation
+    # the check passes, as it must, but could not tell a 1% error: it says so
+    assert r.ok and np.max(r.fd_error) > 0.02 * np.max(np.abs(r.J))
+    better = float(note.group(4))
+    assert 1e-3 <= better <= 1e-1, better
+    bad = distop.Problem(wrong, {"x": np.ones(3, np.float32)})
+    assert bad.check_totals(out_stream=None)["y", "x"].ok  # (told apart only at a step
+    assert not bad.check_totals(out_stream=None, step=better)["y", "x"].ok  # that can)
+    out = io.StringIO()
+    assert single.check_totals(out_stream=out, step=better, rtol=1e-3)["y", "x"].ok
+    assert "carry an error" not in out.getvalue(), out.getvalue()
+    # a float32 output named as a float64 input is rounded as the output
     same = distop.Problem(lambda x: {"x": jnp.sum(x.astype(jnp.float32) ** 2)},
                           {"x": np.ones(3)})
-    out = io.StringIO()
-    same.check_totals(out_stream=out)
-    assert "with float32 values" in out.getvalue(), out.getvalue()
-    # one-sided differences at the default step: truncation alone is about the step
+    assert np.max(same.check_totals(out_stream=None)["x", "x"].fd_error) > 0.02
+    # one-sided differences at a large step: the truncation, seen, gives a smaller step
     double = distop.Problem(model, {"x": np.ones(3)})
     out = io.StringIO()
-    double.check_totals(form="forward", out_stream=out)
-    assert ("with float64 values, forward differences at step=1e-06 have a relative "
-            "error of about 1e-06, more than rtol=1e-06") in out.getvalue(), out.getvalue()
-    for problem, options in [(single, dict(step=5e-3, rtol=1e-3)), (double, {}),
-                             (double, dict(form="backward", step=1e-7, rtol=1e-5))]:
+    double.check_totals(form="forward", step=1e-2, out_stream=out)
+    note = re.search(r"forward differences at step=0.01 carry .* truncation (\S+)\).* "
+                     r"About step=(\S+) would make it less", out.getvalue())
+    assert note and float(note.group(1)) > 1e-3 and float(note.group(2)) < 1e-6, (
+        out.getvalue())
+    for options in [{}, dict(form="backward", step=1e-7, rtol=1e-5), dict(form="forward")]:
         out = io.StringIO()
-        assert problem.check_totals(out_stream=out, **options)["y", "x"].ok
-        assert "relative error of about" not in out.getvalue(), out.getvalue()
+        assert double.check_totals(out_stream=out, **options)["y", "x"].ok
+        assert "carry an error" not in out.getvalue(), out.getvalue()
+
+
+class Wrong(distop.DistributedOperator):
+    """y = sum(x**2) with a gradient off by the fraction `off`: (2 + 2 off) x."""
+
+    off: float
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct((), x.dtype)
+
+    def forward(self, comm, x):
+        return np.asarray(np.sum(x ** 2), x.dtype)
+
+    def vjp(self, comm, y_bar, x):
+        return np.asarray((2 + 2 * self.off) * x * y_bar, x.dtype)
+
+
+def test_check_totals_passes_a_right_gradient_of_a_large_objective():
+    # f near 1e7 with derivatives from 2e6 to 0.5: f(x +- h) round by about 1e7 eps,
+    # which the differences of the smallest derivative carry, far beyond rtol |J|
+    c, w = np.array([3.0, -2.0, 0.5]), np.array([1e6, 1e3, 1.0])
+    b = np.array([4.0, -1.0, 0.75])
+
+    def model(b):
+        return {"f": jnp.sum(w * (b - c) ** 2) + 1e7}
+
+    problem = distop.Problem(model, {"b": b})
+    out = io.StringIO()
+    r = problem.check_totals(out_stream=out, rtol=1e-6)["f", "b"]
+    assert r.ok and r.abs_error <= r.allowed, out.getvalue()
+    np.testing.assert_allclose(r.J, [2 * w * (b - c)])
+    # the tolerance alone would fail it: the finite differences' own error decides
+    assert np.any(np.abs(r.J - r.J_fd) > 1e-8 + 1e-6 * np.abs(r.J_fd)), r
+    # the printed row is the deciding entry, with J and J_fd there
+    row = next(line for line in out.getvalue().splitlines() if line.startswith("f "))
+    i, j = r.worst
+    assert f"({i}, {j})" in row and f"{r.J[i, j]:.4e}" in row and f"{r.allowed:.2e}" in row
+    # a gradient wrong by 1e-4 of its largest entry still fails, at that entry
+    wrong = distop.Problem(lambda b: {"f": model(b)["f"] + Shifted(2e2)(b)}, {"b": b})
+    out = io.StringIO()
+    r = wrong.check_totals(out_stream=out, rtol=1e-6)["f", "b"]
+    assert not r.ok and r.worst == (0, 0) and r.abs_error > r.allowed, out.getvalue()
+    assert "<-- FAILED" in out.getvalue()
+    with pytest.raises(distop.DerivativeCheckError, match=r"at \(0, 0\): J .* > allowed"):
+        wrong.check_totals(out_stream=None, raise_on_error=True)
+
+
+class Shifted(distop.DistributedOperator):
+    """y = 0 with a gradient `d` in its first entry: a wrong derivative of size d."""
+
+    d: float
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct((), x.dtype)
+
+    def forward(self, comm, x):
+        return np.zeros((), x.dtype)
+
+    def vjp(self, comm, y_bar, x):
+        found = np.zeros_like(x)
+        found[0] = self.d * y_bar
+        return found
 
 
 def test_check_totals_refuses_a_step_or_tolerance_that_is_not_a_number_it_can_use():

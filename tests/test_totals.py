@@ -72,9 +72,12 @@ def test_check_totals_flags_a_wrong_vjp():
     assert issubclass(distop.DerivativeCheckError, ValueError)
 
 
-def test_check_totals_perturbs_in_a_loop_where_only_its_perturbations_cannot_vmap():
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_check_totals_perturbs_in_a_loop_where_only_its_perturbations_cannot_vmap(backend):
     # The operator inside lax.cond gets no cotangent (stop_gradient): compute_totals
-    # vmaps nothing through it, the perturbations do, and run one per iteration.
+    # vmaps nothing through it, the perturbations do. With ordered callbacks
+    # (io_callback) JAX cannot vmap them, and they run one per iteration; the lean
+    # path's calls carry no effect, and vmap.
     from helpers import RowScale
     from jax import lax
 
@@ -82,9 +85,12 @@ def test_check_totals_perturbs_in_a_loop_where_only_its_perturbations_cannot_vma
         inside = lax.cond(x.sum() > 0, RowScale(2.0), lambda v: v, lax.stop_gradient(x))
         return {"f": jnp.sum(x ** 2) + 0.0 * jnp.sum(inside)}
 
-    problem = distop.Problem(model, {"x": np.arange(3.0)})
-    with pytest.warns(UserWarning, match="^fd: the model has an operator inside lax.cond"):
-        r = problem.check_totals(out_stream=None)["f", "x"]
+    problem = distop.Problem(model, {"x": np.arange(3.0)}, backend=backend)
+    if backend == "io_callback":
+        with pytest.warns(UserWarning, match="^fd: the model has an operator inside lax.cond"):
+            r = problem.check_totals(out_stream=None)["f", "x"]
+    else:
+        r = problem.check_totals(out_stream=None)["f", "x"]  # (a warning is an error here)
     assert r.ok
     np.testing.assert_allclose(r.J, [[0.0, 2.0, 4.0]])
 

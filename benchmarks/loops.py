@@ -1,7 +1,8 @@
-"""python benchmarks/loops.py [--ranks 1 2 4] [--steps 1000] [--repeat 7]
+"""python benchmarks/loops.py [--ranks 1 2 4] [--steps 1000] [--repeat 7] [--memory]
 
 Time stepping: an operator with one Allreduce in its forward and its vjp, applied N times
-to a 64-point state (`u = op(u) + 0.01`, objective `sum(u**2)`), three ways, side by
+to a state of 64 (then 100,000) points (`u = op(u) + 0.01`, objective `sum(u**2)`), three
+ways, side by
 side in one job per rank count (every variant interleaved round by round; per step: the
 max over ranks of each rank's median, divided by N):
 - `scan`: the steps as `lax.scan` in the model;
@@ -94,7 +95,7 @@ def step_worker(args):
     jax.config.update("jax_enable_x64", True)
     comm, n = MPI.COMM_WORLD, args.steps
     op = operator_class()()
-    u0 = np.linspace(0.0, 1.0, 64)
+    u0 = np.linspace(0.0, 1.0, args.points)
     problems = {name: distop.Problem(model, {"u": u0}) for name, model in models(op, n).items()}
     raw = comm.Dup()
     noop = jax.jit(lambda u: u)
@@ -211,6 +212,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--points", type=int, default=64)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 100_000],
+                        help="state sizes of the per-step table")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--first-scan", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--first-python", type=int, nargs="+", default=[100, 1000])
@@ -239,22 +243,22 @@ def main(argv=None):
         return result
 
     rows = []
-    for ranks in args.ranks:
-        r = run("step", ranks)
+    for ranks, points in ((r, p) for p in args.sizes for r in args.ranks):
+        r = run("step", ranks, "--points", str(points))
         if r is None:
             continue
         for entry in ("run", "totals"):
             floor = r[f"hand {entry}"] + r["dispatch"] / args.steps
-            rows.append([str(ranks), entry, fmt(r[f"scan {entry}"], "us"),
+            rows.append([str(ranks), str(points), entry, fmt(r[f"scan {entry}"], "us"),
                          fmt(r[f"python {entry}"], "us"), fmt(r[f"hand {entry}"], "us"),
                          fmt(r["dispatch"], "us"),
                          fmt(ratio(r[f"scan {entry}"], r[f"python {entry}"]), "x"),
                          fmt(ratio(r[f"scan {entry}"], floor), "x"),
                          fmt(ratio(r[f"python {entry}"], floor), "x"), fmt(r["err"], "e")])
-    print_table(f"{args.steps} steps of u = op(u) + 0.01 (64 points, one Allreduce each way):"
-                f" per step (us), max over ranks of the median of {args.repeat} interleaved "
-                "calls; floor = hand + dispatch / steps",
-                ["ranks", "entry", "scan", "python", "hand", "dispatch (1 call)",
+    print_table(f"{args.steps} steps of u = op(u) + 0.01 (one Allreduce of the state each "
+                f"way): per step (us), max over ranks of the median of {args.repeat} "
+                "interleaved calls; floor = hand + dispatch / steps",
+                ["ranks", "points", "entry", "scan", "python", "hand", "dispatch (1 call)",
                  "scan/python", "scan/floor", "python/floor", "err"], rows)
     rows = []
     for kind, counts in (("scan", args.first_scan), ("python", args.first_python)):

@@ -12,7 +12,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from . import _comm, _profile, _totals
+from . import _assembly, _comm, _profile, _totals
 from ._arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from ._config import env_flag
 from ._coordinator import Coordinator
@@ -220,6 +220,15 @@ class Problem:
         (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag`
         of it as two outputs for both parts.
         """
+        return self._compute_totals(of, wrt, mode=mode, return_format=return_format,
+                            direction=direction)
+
+    def _compute_totals(self, of: Names, wrt: Names, *, mode: str = "batched",
+                        return_format: str = "global", direction: str = "rev",
+                        agree: bool = True) -> dict[tuple[str, str], np.ndarray]:
+        """`compute_totals`; `agree=False` leaves out the check that the blocks of
+        replicated inputs are the same on every rank (`check_totals` reports ranks that
+        differ in its own way)."""
         def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
                                dict[str, Any] | None]:
             layout, names, ins, way = self._totals_request(
@@ -233,7 +242,8 @@ class Problem:
         layout, names, ins, way, cts = self._coordinator.agreed(attempt)
         if cts is None:
             return {}
-        return _totals.assembled(self.comm, layout, cts, names, ins, return_format, way)
+        return _assembly.assembled(self.comm, layout, cts, names, ins, return_format, way,
+                                   agree)
 
     @_one_at_a_time
     def run_and_compute_totals(
@@ -272,7 +282,7 @@ class Problem:
         if names and ins:
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
             swept = names if way == "fwd" else ins
-            totals = _totals.assembled(self.comm, layout, {k: out["total", k] for k in swept},
+            totals = _assembly.assembled(self.comm, layout, {k: out["total", k] for k in swept},
                                        names, ins, return_format, way)
         else:
             values, totals = out, {}
@@ -331,7 +341,8 @@ class Problem:
             return self._executor(program, point)
 
         evaluations = _totals.Evaluations(self.comm, self.distributed, layout, point, self.run,
-                                          self.compute_totals, perturbed)
+                                          functools.partial(self._compute_totals, agree=False),
+                                          perturbed)
         return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
                                     atol=atol, rtol=rtol, out_stream=out_stream,
                                     raise_on_error=raise_on_error,

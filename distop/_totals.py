@@ -1,5 +1,5 @@
-"""Total-derivative assembly on global vectors, finite-difference checks, and the
-cross-rank consistency checks they rely on."""
+"""Finite-difference checks of totals, and the cross-rank consistency checks they rely
+on."""
 
 import dataclasses
 import hashlib
@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ._assembly import Blocks, flat_counts, gather_columns, gather_rows
 from ._differences import (
     FORMS,
     METHODS,
@@ -29,7 +30,6 @@ from ._runtime import world
 from ._tracing import FDOptions
 
 Say = Callable[[str], None]  # prints a line (on rank 0), or nothing
-Blocks = dict[tuple[str, str], np.ndarray]  # (of, wrt) -> 2-D array
 
 
 
@@ -60,100 +60,6 @@ class TotalsCheck:
     worst: tuple[int, int] | None = None
     allowed: float = 0.0
     fd_error: np.ndarray | None = None
-
-
-def assemble(comm: Any, layout: Layout, cts: dict[str, Any], of: tuple[str, ...],
-             wrt: tuple[str, ...], return_format: str) -> Blocks:
-    """Cut the batched cotangents of a reverse pass into `(of, wrt)` blocks.
-
-    **Arguments:**
-    - `comm`: the Problem's communicator.
-    - `layout`: the `Layout` of the current point.
-    - `cts`: wrt name -> array (global rows of `of`, *local shape of wrt).
-    - `of`, `wrt`: the names, in order.
-    - `return_format`: `"global"` gathers distributed `wrt` columns from every rank;
-      `"local"` keeps this rank's columns and this rank's rows of distributed `of`.
-
-    **Returns:** dict `(of, wrt)` -> 2-D numpy array.
-    """
-    rank = comm.Get_rank()
-    offsets = layout.offsets(of)
-    local = [] if return_format != "local" else [  # this rank's rows of a distributed `of`
-        (o, offsets[i]) + layout.local_rows(o, rank) for i, o in enumerate(of)
-        if o in layout.counts]
-    totals: Blocks = {}
-    for w in wrt:
-        block = cts[w].reshape(offsets[-1], -1)
-        if w in layout.counts and return_format == "global":
-            block = gather_columns(comm, block, _flat_counts(layout, w))
-        # views of the program's result (read-only), not copies
-        for o, start, stop in zip(of, offsets, offsets[1:]):
-            totals[o, w] = block[start:stop]
-        for o, offset, start, stop in local:
-            totals[o, w] = block[offset + start:offset + stop]
-    return totals
-
-
-def assembled(comm: Any, layout: Layout, swept: dict[str, Any], of: tuple[str, ...],
-              wrt: tuple[str, ...], return_format: str, direction: str) -> Blocks:
-    """`assemble` (reverse sweeps) or `assemble_forward` (forward sweeps)."""
-    if direction == "fwd":
-        return assemble_forward(comm, layout, swept, of, wrt, return_format)
-    return assemble(comm, layout, swept, of, wrt, return_format)
-
-
-def assemble_forward(comm: Any, layout: Layout, tangents: dict[str, Any],
-                     of: tuple[str, ...], wrt: tuple[str, ...],
-                     return_format: str) -> Blocks:
-    """Cut the batched tangents of a forward pass into `(of, wrt)` blocks.
-
-    **Arguments:**
-    - `tangents`: of name -> array (global entries of `wrt`, *local shape of of).
-    - the others: as for `assemble`.
-
-    **Returns:** dict `(of, wrt)` -> 2-D numpy array.
-    """
-    rank = comm.Get_rank()
-    offsets = layout.offsets(wrt)
-    totals: Blocks = {}
-    for o in of:
-        block = np.asarray(tangents[o]).reshape(offsets[-1], -1).T
-        if o in layout.counts and return_format == "global":
-            block = gather_rows(comm, block, _flat_counts(layout, o))
-        for w, start, stop in zip(wrt, offsets, offsets[1:]):
-            if w in layout.counts and return_format == "local":
-                low, high = layout.local_rows(w, rank)
-                start, stop = start + low, start + high
-            totals[o, w] = block[:, start:stop]
-    return totals
-
-
-def _flat_counts(layout: Layout, name: str) -> list[int]:
-    spec = layout.spec(name)
-    tail = int(np.prod(spec.shape[1:]))
-    return [c * tail for c in layout.counts[name]]
-
-
-def gather_columns(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
-    """**Returns:** the columns of `block` from every rank, side by side (`counts[r]`
-    columns from rank r), on every rank."""
-    if comm.Get_size() == 1:
-        return block
-    rows = block.shape[0]
-    recv = np.empty((sum(counts), rows), block.dtype)
-    comm.Allgatherv(np.ascontiguousarray(block.T), [recv, [c * rows for c in counts]])
-    return recv.T
-
-
-def gather_rows(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
-    """**Returns:** the rows of `block` from every rank, stacked (`counts[r]` rows from
-    rank r), on every rank."""
-    if comm.Get_size() == 1:
-        return block
-    cols = block.shape[1]
-    recv = np.empty((sum(counts), cols), block.dtype)
-    comm.Allgatherv(np.ascontiguousarray(block), [recv, [c * cols for c in counts]])
-    return recv
 
 
 def _canonical(array: Any) -> np.ndarray:
@@ -439,7 +345,7 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     comm, rank, layout = evaluations.comm, evaluations.comm.Get_rank(), evaluations.layout
     factors = multiples(method, form)
     # (an input's own sizes: an output may have its name)
-    sizes = [sum(_flat_counts(layout, w)) if w in layout.counts
+    sizes = [sum(flat_counts(layout, w)) if w in layout.counts
              else math.prod(layout.inputs[w].shape) for w in wrt]
     axes = [(1, 1j) if np.issubdtype(layout.inputs[w].dtype, np.complexfloating) else (1,)
             for w in wrt]
@@ -469,7 +375,7 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
                 taken[k * len(directions) + a] = (((x + d) - x) * np.conj(axis)).real
         deltas[w] = delta.reshape((len(factors) * n,) + spec.shape)
         if w in layout.counts:
-            taken = gather_columns(comm, taken, _flat_counts(layout, w))
+            taken = gather_columns(comm, taken, flat_counts(layout, w))
         for k in range(len(factors)):
             for a in range(len(directions)):
                 steps[k, offset + a * size:offset + (a + 1) * size] = taken[
@@ -503,7 +409,7 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
                 # local rows of o, gathered from every rank where o is distributed
                 blocks = [np.ascontiguousarray(b.T) for b in blocks]
                 if o in layout.counts:
-                    counts = _flat_counts(layout, o)
+                    counts = flat_counts(layout, o)
                     blocks = [gather_rows(comm, b, counts) for b in blocks]
                 estimates[o, w] = Estimate(blocks[0], blocks[1], blocks[2], eps, scales[w])
     return estimates

@@ -449,6 +449,32 @@ def raises(exc, text, fn):
 
 
 @case
+def a_replicated_input_without_rank_local_raises_instead_of_differing_between_ranks():
+    # xs is replicated, xd and y distributed: each rank's cotangent of xs is its share
+    xd, xs = mine(np.arange(N, dtype=float)), np.array([1.0, 2.0])
+    problem = distop.Problem(lambda xd, xs: {"y": xd ** 2 + jnp.sum(xs ** 2)},
+                             {"xd": xd, "xs": xs}, distributed={"xd", "y"})
+    raises(distop.DistopError, "differ between ranks", problem.compute_totals)
+    # (in the local format each rank keeps its own rows of y, which may differ)
+    all_close_everywhere(comm, problem.compute_totals(return_format="local")["y", "xs"],
+                         np.tile([[2.0, 4.0]], (COUNTS[rank], 1)))
+    # forward sweeps seed a replicated input on every rank: whole derivatives already
+    all_close_everywhere(comm, problem.compute_totals(direction="fwd")["y", "xs"],
+                         np.tile([[2.0, 4.0]], (N, 1)))
+
+    # with RankLocal each rank gets the whole derivative, the same everywhere
+    def fixed_model(xd, xs):
+        xl = distop.RankLocal()(xs)
+        return {"y": xd ** 2 + jnp.sum(xl ** 2), "s": distop.AllreduceSum()(jnp.sum(xd) * xl[0])}
+
+    fixed = distop.Problem(fixed_model, {"xd": xd, "xs": xs}, distributed={"xd", "y"})
+    for direction in ("rev", "fwd"):
+        J = fixed.compute_totals(direction=direction)
+        all_close_everywhere(comm, J["y", "xs"], np.tile([[2.0, 4.0]], (N, 1)))
+        all_close_everywhere(comm, J["s", "xs"], [[np.arange(N).sum(), 0.0]])
+
+
+@case
 def bad_input_raises_on_every_rank():
     if size > 1:
         x = np.ones((2, 3 if rank == 0 else 4))

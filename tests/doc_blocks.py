@@ -1,0 +1,95 @@
+"""The fenced Python blocks of the Markdown docs, and a runner for one page's blocks.
+
+Every block fenced as `python` runs. A block right after the line
+`<!-- mpiexec -n P -->` runs under `mpiexec -n P`. A page's blocks with the same
+launch run in one process (or one MPI job), in page order, in one namespace, so a block
+may use what an earlier block of its launch defined. Blocks that must not run (shell
+commands, output) use other fence languages: `text`, `sh`.
+
+`python tests/doc_blocks.py PAGE P` runs the blocks of PAGE marked for P ranks (P=1:
+the unmarked ones), then prints this rank's success line; a failing block prints its
+traceback and aborts the job.
+"""
+
+import dataclasses
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"<!--\s*mpiexec -n (\d+)\s*-->")
+FENCE = re.compile(r"^(\s*)(`{3,})(\S*)[^\n]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One fenced Python block: its page, first line of code, ranks and code."""
+
+    page: pathlib.Path
+    line: int
+    ranks: int
+    code: str
+
+
+def pages():
+    """**Returns:** the Markdown files whose Python blocks run: README.md and docs/."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def blocks(page):
+    """**Returns:** the Python blocks of `page`, in order."""
+    lines = pathlib.Path(page).read_text().splitlines()
+    found, i, marked = [], 0, None
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            if lines[i].strip():
+                match = MARKER.fullmatch(lines[i].strip())
+                marked = int(match.group(1)) if match else None
+            i += 1
+            continue
+        indent, ticks, language = fence.groups()
+        end = i + 1
+        while end < len(lines) and lines[end].strip() != ticks:
+            end += 1
+        if language == "python":
+            body = [line[len(indent):] for line in lines[i + 1:end]]
+            found.append(Block(pathlib.Path(page), i + 2, marked or 1,
+                               "\n".join(body) + "\n"))
+        marked, i = None, end + 1
+    return found
+
+
+def launches(page):
+    """**Returns:** the rank counts `page`'s blocks run under, each once, in order."""
+    return list(dict.fromkeys(b.ranks for b in blocks(page)))
+
+
+def run(page, ranks):
+    """Run `page`'s blocks for `ranks` ranks in one namespace, in page order."""
+    import traceback
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    scope = {"__name__": "__main__"}
+    where = "?"
+    try:
+        for block in blocks(page):
+            if block.ranks == ranks:
+                where = f"{block.page.relative_to(ROOT)}:{block.line}"
+                # (blank lines first, so that a traceback's line numbers are the page's)
+                code = compile("\n" * (block.line - 1) + block.code,
+                               str(block.page.relative_to(ROOT)), "exec")
+                exec(code, scope)  # noqa: S102 - the docs' own code
+    except BaseException:
+        print(f"rank {comm.rank} of {comm.size}: FAILED in the block at {where}\n"
+              + traceback.format_exc(), flush=True)
+        if comm.size > 1:
+            comm.Abort(1)
+        sys.exit(1)
+    print(f"rank {comm.rank} of {comm.size}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    run(ROOT / sys.argv[1], int(sys.argv[2]))

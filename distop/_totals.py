@@ -26,12 +26,15 @@ FORMS = {"central": (1.0, -1.0), "forward": (1.0,), "backward": (-1.0,)}
 
 @dataclasses.dataclass
 class TotalsCheck:
-    """The result of checking one `(of, wrt)` block.
+    """The result of checking one `(of, wrt)` block with `check_totals`.
 
-    Fields: `J` (from `compute_totals`), `J_fd` (finite differences), `abs_error`
-    (norm of J - J_fd), `rel_error` (abs_error / norm of J_fd), `ok` (within
-    atol + rtol |J_fd| everywhere, on every rank), `inconsistent_ranks` (ranks whose J or
-    J_fd differ from the majority's).
+    **Arguments:**
+    - `J`: the block from `compute_totals`.
+    - `J_fd`: the block from finite differences.
+    - `abs_error`: the norm of J - J_fd.
+    - `rel_error`: abs_error / the norm of J_fd.
+    - `ok`: whether |J - J_fd| <= atol + rtol |J_fd| everywhere, on every rank.
+    - `inconsistent_ranks`: the ranks whose J or J_fd differ from the majority's.
     """
 
     J: np.ndarray
@@ -394,14 +397,24 @@ def shard(n_samples: int, comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Split `n_samples` over the ranks so that every rank gets the same count.
 
     Rank r takes its contiguous share (sizes differ by at most one) and pads it by
-    wrap-around to ceil(n / P) samples; padding samples carry weight 0, so a weighted
-    loss is exact and every rank runs the same number of steps and collectives.
+    wrap-around to ceil(N / P) samples.
+    Padding samples carry weight 0, so a weighted loss is exact.
+    Every rank then runs the same number of steps and collectives.
 
     **Arguments:**
     - `n_samples`: the number of samples, N >= 1.
     - `comm`: the communicator (default `MPI.COMM_WORLD`).
 
     **Returns:** `(indices, weights)`: int64 and float64 arrays of length ceil(N / P).
+
+    **Raises:** `ValueError` for fewer than one sample.
+
+    ```python
+    import distop
+
+    indices, weights = distop.shard(10)
+    assert len(indices) == len(weights)  # ceil(10 / P) on every rank
+    ```
     """
     comm = world() if comm is None else comm
     size, rank = comm.Get_size(), comm.Get_rank()

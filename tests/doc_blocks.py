@@ -6,9 +6,13 @@ launch run in one process (or one MPI job), in page order, in one namespace, so 
 may use what an earlier block of its launch defined. Blocks that must not run (shell
 commands, output) use other fence languages: `text`, `sh`.
 
+The docstrings of the public API hold Python blocks too (the API pages show them); they
+run in one process, each in a namespace of its own.
+
 `python tests/doc_blocks.py PAGE P` runs the blocks of PAGE marked for P ranks (P=1:
-the unmarked ones), then prints this rank's success line; a failing block prints its
-traceback and aborts the job.
+the unmarked ones), and `python tests/doc_blocks.py --docstrings` the docstrings' blocks;
+then each prints this rank's success line. A failing block prints its traceback and
+aborts the job.
 """
 
 import dataclasses
@@ -38,7 +42,12 @@ def pages():
 
 def blocks(page):
     """**Returns:** the Python blocks of `page`, in order."""
-    lines = pathlib.Path(page).read_text().splitlines()
+    return blocks_in(pathlib.Path(page).read_text(), pathlib.Path(page))
+
+
+def blocks_in(text, page):
+    """**Returns:** the Python blocks of the Markdown `text`, found in `page`, in order."""
+    lines = text.splitlines()
     found, i, marked = [], 0, None
     while i < len(lines):
         fence = FENCE.match(lines[i])
@@ -54,7 +63,7 @@ def blocks(page):
             end += 1
         if language == "python":
             body = [line[len(indent):] for line in lines[i + 1:end]]
-            found.append(Block(pathlib.Path(page), i + 2, marked or 1,
+            found.append(Block(page, i + 2, marked or 1,
                                "\n".join(body) + "\n"))
         marked, i = None, end + 1
     return found
@@ -63,6 +72,52 @@ def blocks(page):
 def launches(page):
     """**Returns:** the rank counts `page`'s blocks run under, each once, in order."""
     return list(dict.fromkeys(b.ranks for b in blocks(page)))
+
+
+def public():
+    """**Returns:** (qualified name, object) for every public name of `distop` and
+    `distop.linalg`, and their public members defined in distop."""
+    import inspect
+
+    import distop
+    import distop.linalg
+
+    found = [(f"distop.{n}", getattr(distop, n)) for n in dir(distop)
+             if not n.startswith("_") and n not in ("importlib", "linalg")]
+    found += [(f"distop.linalg.{n}", getattr(distop.linalg, n)) for n in distop.linalg.__all__]
+    found.append(("distop.linalg", distop.linalg))
+    members = []
+    for name, obj in found:
+        if inspect.isclass(obj):
+            members += [(f"{name}.{m}", v) for m, v in vars(obj).items()
+                        if not m.startswith("_") and (callable(v) or isinstance(v, property))]
+    return found + members
+
+
+def docstring_blocks():
+    """**Returns:** the Python blocks of the public API's docstrings."""
+    import inspect
+
+    found = []
+    for name, obj in public():
+        doc = inspect.getdoc(obj) or ""
+        found += blocks_in(doc, pathlib.Path(name))
+    return found
+
+
+def run_docstrings():
+    """Run every docstring's blocks in one process, each in a namespace of its own."""
+    import traceback
+
+    for block in docstring_blocks():
+        try:
+            exec(compile(block.code, f"{block.page} docstring", "exec"),  # noqa: S102
+                 {"__name__": "__main__"})
+        except BaseException:
+            print(f"FAILED in the docstring block of {block.page}\n" + traceback.format_exc(),
+                  flush=True)
+            sys.exit(1)
+    print("rank 0 of 1: ok", flush=True)
 
 
 def run(page, ranks):
@@ -92,4 +147,7 @@ def run(page, ranks):
 
 
 if __name__ == "__main__":
-    run(ROOT / sys.argv[1], int(sys.argv[2]))
+    if sys.argv[1:] == ["--docstrings"]:
+        run_docstrings()
+    else:
+        run(ROOT / sys.argv[1], int(sys.argv[2]))

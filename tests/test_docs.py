@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from doc_blocks import ROOT, blocks, launches, pages
+from doc_blocks import ROOT, blocks, docstring_blocks, launches, pages
 from helpers import EXAMPLES, TESTS, load_factor, run_mpi
 
 LAUNCHES = [(page, ranks) for page in pages() for ranks in launches(page)]
@@ -14,6 +14,16 @@ LAUNCHES = [(page, ranks) for page in pages() for ranks in launches(page)]
 
 def _id(page, ranks):
     return f"{page.relative_to(ROOT)}-{ranks}"
+
+
+def _run_one_process(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]))
+    proc = subprocess.run([sys.executable, str(TESTS / "doc_blocks.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300 * load_factor())
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "rank 0 of 1: ok" in output, output
 
 
 @pytest.mark.parametrize("page, ranks", [
@@ -24,14 +34,19 @@ def test_the_blocks_of_a_page_run(page, ranks):
     where = str(page.relative_to(ROOT))
     if ranks > 1:
         run_mpi(ranks, TESTS / "doc_blocks.py", where, ranks, timeout=300)
-        return
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]))
-    proc = subprocess.run([sys.executable, str(TESTS / "doc_blocks.py"), where, "1"],
-                          capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300 * load_factor())
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "rank 0 of 1: ok" in output, output
+    else:
+        _run_one_process(where, "1")
+
+
+def test_the_docstring_examples_run():
+    assert len(docstring_blocks()) >= 5
+    _run_one_process("--docstrings")
+
+
+def test_the_performance_page_is_what_its_generator_makes_of_the_results():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "performance.py"),
+                           "--check"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_the_readme_example_runs_under_mpiexec_on_4_ranks():

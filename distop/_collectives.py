@@ -42,11 +42,13 @@ class AllreduceSum(DistributedOperator):
     `DistributedOperator`).
 
     ```python
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     import distop
 
+    jax.config.update("jax_enable_x64", True)
     total = distop.AllreduceSum()
     problem = distop.Problem(lambda x: {"s": total(jnp.sum(x))}, {"x": np.ones(3)},
                              distributed={"x"})

@@ -87,11 +87,13 @@ class HaloExchange(DistributedOperator):
     `boundary`; `ValueError` when traced, for a 0-d input.
 
     ```python
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     import distop
 
+    jax.config.update("jax_enable_x64", True)
     halo = distop.HaloExchange()
     stencil = distop.Problem(lambda x: {"y": (lambda h: h[:-2] + h[1:-1] + h[2:])(halo(x))},
                              {"x": np.arange(4.0)}, distributed={"x", "y"})

@@ -96,6 +96,8 @@ class DistributedOperator(eqx.Module):
 
     import distop
 
+    jax.config.update("jax_enable_x64", True)
+
 
     class Scale(distop.DistributedOperator):
         c: float  # y = (sum over ranks of c) x

@@ -109,7 +109,10 @@ def run_docstrings():
     """Run every docstring's blocks in one process, each in a namespace of its own."""
     import traceback
 
+    import jax
+
     for block in docstring_blocks():
+        jax.config.update("jax_enable_x64", False)  # JAX's default, as in a new process
         try:
             exec(compile(block.code, f"{block.page} docstring", "exec"),  # noqa: S102
                  {"__name__": "__main__"})

@@ -6,6 +6,10 @@ launch run in one process (or one MPI job), in page order, in one namespace, so 
 may use what an earlier block of its launch defined. Blocks that must not run (shell
 commands, output) use other fence languages: `text`, `sh`.
 
+A `text` block right after the line `<!-- output -->` is what the launch of the Python
+block before it prints: the tests compare them, with every number and run of spaces
+masked (the digits differ between machines and versions, the words and rows do not).
+
 The docstrings of the public API hold Python blocks too (the API pages show them); they
 run in one process, each in a namespace of its own.
 
@@ -67,6 +71,42 @@ def blocks_in(text, page):
                                "\n".join(body) + "\n"))
         marked, i = None, end + 1
     return found
+
+
+OUTPUT = "<!-- output -->"
+
+
+def outputs(page):
+    """**Returns:** `(ranks, text)` for every `text` block of `page` marked as output, with
+    the ranks of the launch whose Python block comes before it."""
+    lines = pathlib.Path(page).read_text().splitlines()
+    found, ranks, marked = [], None, False
+    python = {b.line - 1: b.ranks for b in blocks(page)}  # fence line (1-based) -> ranks
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            if lines[i].strip():
+                marked = lines[i].strip() == OUTPUT
+            i += 1
+            continue
+        ticks, language = fence.group(2), fence.group(3)
+        end = i + 1
+        while end < len(lines) and lines[end].strip() != ticks:
+            end += 1
+        if i + 1 in python:
+            ranks = python[i + 1]
+        elif language == "text" and marked:
+            found.append((ranks, "\n".join(lines[i + 1:end])))
+        marked, i = False, end + 1
+    return found
+
+
+def masked(text):
+    """**Returns:** `text`'s non-blank lines with numbers and runs of spaces masked."""
+    number = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+    return [" ".join(number.sub("#", line).split()) for line in text.splitlines()
+            if line.strip()]
 
 
 def launches(page):
@@ -146,6 +186,7 @@ def run(page, ranks):
         if comm.size > 1:
             comm.Abort(1)
         sys.exit(1)
+    comm.Barrier()  # (every block's output first, then the success lines)
     print(f"rank {comm.rank} of {comm.size}: ok", flush=True)
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from doc_blocks import ROOT, blocks, docstring_blocks, launches, pages
+from doc_blocks import ROOT, blocks, docstring_blocks, launches, masked, outputs, pages
 from helpers import EXAMPLES, TESTS, load_factor, run_mpi
 
 LAUNCHES = [(page, ranks) for page in pages() for ranks in launches(page)]
@@ -24,6 +24,7 @@ def _run_one_process(*args):
                           timeout=300 * load_factor())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "rank 0 of 1: ok" in output, output
+    return output
 
 
 @pytest.mark.parametrize("page, ranks", [
@@ -33,9 +34,14 @@ def _run_one_process(*args):
 def test_the_blocks_of_a_page_run(page, ranks):
     where = str(page.relative_to(ROOT))
     if ranks > 1:
-        run_mpi(ranks, TESTS / "doc_blocks.py", where, ranks, timeout=300)
+        _, printed = run_mpi(ranks, TESTS / "doc_blocks.py", where, ranks, timeout=300)
     else:
-        _run_one_process(where, "1")
+        printed = _run_one_process(where, "1")
+    seen = set(masked(printed))
+    for launch, expected in outputs(page):
+        if launch == ranks:
+            for line in masked(expected):
+                assert line in seen, f"{where}: printed no line like {line!r}:\n{printed}"
 
 
 def test_the_docstring_examples_run():
@@ -55,6 +61,14 @@ def test_the_readme_example_runs_under_mpiexec_on_4_ranks():
     assert "OMP_NUM_THREADS=1 mpiexec -n 4 python example.py" in (ROOT / "README.md").read_text()
     for name in ("distop.Problem(", ".run(", ".compute_totals(", ".check_totals("):
         assert name in example[0].code, name
+
+
+def test_printed_output_is_found_after_its_block(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- mpiexec -n 2 -->\n```python\nprint(1.5)\n```\n\n<!-- output -->\n"
+                    "```text\n1.5\n```\n\n```text\nnot output\n```\n")
+    assert outputs(page) == [(2, "1.5")]
+    assert masked("f = -7.08  df/dx = [[ 1.2e-03 4 ]]\n\n") == ["f = # df/dx = [[ # # ]]"]
 
 
 def test_blocks_are_found_with_their_marker_and_language(tmp_path):

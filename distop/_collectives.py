@@ -26,8 +26,35 @@ from ._runtime import mpi
 
 
 class AllreduceSum(DistributedOperator):
-    """s = sum over ranks of x_r: rank-local in, replicated out. Its VJP hands every rank
-    the full output cotangent (no communication); its JVP sums the tangents."""
+    """The sum over ranks: rank-local in, replicated out.
+
+    `AllreduceSum()(x)` is x_0 + ... + x_(P-1), the same on every rank.
+    Its VJP hands every rank the full output cotangent (no communication).
+    Its JVP sums the tangents.
+
+    **Arguments:**
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's x returns the sum, shaped as x.
+
+    **Raises:** nothing when made. A call raises as any operator's does (see
+    `DistributedOperator`).
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+    total = distop.AllreduceSum()
+    problem = distop.Problem(lambda x: {"s": total(jnp.sum(x))}, {"x": np.ones(3)},
+                             distributed={"x"})
+    assert problem.run()["s"] == 3.0  # in one process; P * 3.0 on P ranks
+    ```
+    """
 
     forward_collectives = ("Allreduce",)
     jvp_collectives = ("Allreduce",)
@@ -52,12 +79,25 @@ class AllreduceSum(DistributedOperator):
 
 
 class Allgather(DistributedOperator):
-    """Distributed (n_r, ...) in, replicated (N, ...) out. Its VJP keeps this rank's
-    rows of the full cotangent (no communication); its JVP gathers the tangents.
+    """Every rank's block, on every rank: distributed in, replicated out.
 
-    A 0-d value per rank counts as one row: the output is then the (size,) vector of
-    every rank's value. Finding N takes one small collective while the program is
-    traced, which every rank does at the same point of the same program.
+    Rank r passes its (n_r, ...) block; every rank gets the (N, ...) concatenation.
+    A 0-d value per rank counts as one row: the output is then the (P,) vector of every
+    rank's value.
+    Its VJP keeps this rank's rows of the full cotangent (no communication).
+    Its JVP gathers the tangents.
+    Finding N takes one small collective while the program is traced, which every rank
+    does at the same point of the same program.
+
+    **Arguments:**
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's block returns the (N, ...)
+    array.
+
+    **Raises:** nothing when made. A call raises as any operator's does (see
+    `DistributedOperator`).
     """
 
     forward_collectives = ("Allgather", "Allgatherv")
@@ -92,12 +132,23 @@ class Allgather(DistributedOperator):
 
 
 class Split(DistributedOperator):
-    """Replicated (N, ...) in, distributed out: rank r keeps rows
-    [start_r, start_r + counts[r]). Its VJP gathers the cotangent blocks into the full
-    cotangent on every rank (Allgatherv); its JVP keeps this rank's rows of the tangent
-    (no communication).
+    """This rank's rows of a replicated array: replicated in, distributed out.
 
-    Fields: `counts`, rows per rank (default: as even as possible, earlier ranks first).
+    Rank r keeps rows [start_r, start_r + counts[r]) of the (N, ...) input.
+    Its VJP gathers the cotangent blocks into the full cotangent on every rank
+    (Allgatherv).
+    Its JVP keeps this rank's rows of the tangent (no communication).
+
+    **Arguments:**
+    - `counts`: rows per rank (default: as even as possible, earlier ranks first).
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on the (N, ...) array returns this rank's
+    (counts[r], ...) block.
+
+    **Raises:** `ValueError` when traced, where `counts` does not give one count >= 0
+    per rank adding up to N.
     """
 
     counts: tuple[int, ...] | None = None
@@ -139,12 +190,23 @@ class Split(DistributedOperator):
 
 
 class Alltoall(DistributedOperator):
-    """The distributed transpose: a 2-D array split by rows, (n_r, M) on rank r, in;
-    the row blocks of its transpose, (m_r, N), out. Its VJP is the transpose back; its
-    JVP the transpose of the tangent.
+    """The distributed transpose of a 2-D array split by rows.
 
-    Fields: `counts`, how the M columns are split into output rows per rank (default: as
-    even as possible).
+    Rank r passes its (n_r, M) rows, and gets its (m_r, N) rows of the transpose:
+    distributed in and out.
+    Its VJP is the transpose back; its JVP the transpose of the tangent.
+
+    **Arguments:**
+    - `counts`: how the M columns are split into output rows per rank (default: as even
+      as possible).
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's (n_r, M) block returns its (m_r,
+    N) block.
+
+    **Raises:** `ValueError` when traced, where a block is not 2-D or `counts` does not
+    add up to M.
     """
 
     counts: tuple[int, ...] | None = None
@@ -186,11 +248,22 @@ class Alltoall(DistributedOperator):
 
 
 class Broadcast(DistributedOperator):
-    """The root's value, replicated on every rank: rank-local in (only the root's
-    matters), replicated out. Its VJP gives the root the full cotangent, zeros elsewhere;
-    its JVP broadcasts the root's tangent.
+    """The root's value on every rank: rank-local in, replicated out.
 
-    Fields: `root` (default 0).
+    Only the root's value matters; every rank passes an array of the root's shape.
+    Its VJP gives the root the full cotangent, zeros elsewhere.
+    Its JVP broadcasts the root's tangent.
+
+    **Arguments:**
+    - `root`: the rank whose value is sent (default 0).
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it returns the root's value, the same on every
+    rank.
+
+    **Raises:** nothing when made. A call raises as any operator's does (see
+    `DistributedOperator`).
     """
 
     root: int = 0
@@ -217,12 +290,23 @@ class Broadcast(DistributedOperator):
 
 
 class RankLocal(DistributedOperator):
-    """A replicated value viewed as rank-local: the identity forward and JVP; the VJP
-    sums the per-rank cotangents (Allreduce) into the full one.
+    """A replicated value viewed as rank-local: the identity, with a summing VJP.
 
-    Use it where replicated data enters rank-dependent code (a `jnp.where` on the rank,
-    a per-rank weight): each rank's cotangent is then only its share, and the sum makes
-    the replicated value's cotangent full and the same on every rank again.
+    Its forward and JVP are the identity.
+    Its VJP sums the per-rank cotangents (Allreduce) into the full one.
+    Use it where replicated data enters rank-dependent code: a `jnp.where` on the rank,
+    or a per-rank weight.
+    Each rank's cotangent is then only its share; the sum makes the replicated value's
+    cotangent full and the same on every rank again.
+
+    **Arguments:**
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it returns its input unchanged.
+
+    **Raises:** nothing when made. A call raises as any operator's does (see
+    `DistributedOperator`).
     """
 
     vjp_collectives = ("Allreduce",)

@@ -75,14 +75,25 @@ settings = Settings()
 
 def configure(*, check_collectives: bool | None = None,
               watchdog: float | None = None) -> Settings:
-    """Change distop's run-time settings; they apply to programs traced afterwards.
+    """Change distop's run-time settings.
 
     **Arguments:**
-    - `check_collectives`: the run-time checking mode (env `DISTOP_CHECK_COLLECTIVES`).
+    - `check_collectives`: the run-time checking mode (env `DISTOP_CHECK_COLLECTIVES`);
+      it applies to programs traced afterwards.
     - `watchdog`: seconds a rank may wait for its peers, while none is known to be
-      computing, before it aborts the job (env `DISTOP_WATCHDOG`; 0 turns it off).
+      computing, before it aborts the job (env `DISTOP_WATCHDOG`; 0 turns it off); it
+      takes effect at once.
 
     **Returns:** the `Settings` now in force.
+
+    **Raises:** `TypeError` or `ValueError` for a `watchdog` that is not a number.
+
+    ```python
+    import distop
+
+    distop.configure(watchdog=120.0)  # long solves may keep ranks waiting for minutes
+    distop.configure(watchdog=60.0)
+    ```
     """
     if check_collectives is not None:
         settings.check_collectives = bool(check_collectives)

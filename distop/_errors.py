@@ -4,7 +4,14 @@ from typing import Any
 
 
 class DistopError(Exception):
-    """Base class of every error distop raises on purpose."""
+    """The base class of every error distop raises on purpose.
+
+    Under MPI distop raises an error on every rank alike.
+    Where one rank's argument is refused, the other ranks raise a `DistopError` naming
+    it.
+    A failure inside an operator's method aborts the job instead, outside the checking
+    mode.
+    """
 
     elsewhere = False  # whether it reports a failure on another rank, not this one's
 
@@ -14,17 +21,25 @@ class OperatorError(DistopError, RuntimeError):
 
     The message names the operator, the phase (`forward`, `vjp`, `jvp`), the rank and
     what was expected.
+    It is also raised where a method makes an MPI call its phase did not declare.
     """
 
 
 class MissingMethodError(OperatorError, NotImplementedError):
-    """An operator lacks a method the requested computation needs (e.g. `vjp`)."""
+    """An operator lacks a method the requested computation needs.
+
+    Forward mode (`jax.jvp`, `jax.jacfwd`) through an operator without `jvp` raises it,
+    naming the operator.
+    """
 
 
 class SecondDerivativeError(DistopError, NotImplementedError):
-    """A derivative of an operator's derivative was asked for (`jax.grad` of a model
-    that itself takes a gradient through an operator, a Hessian): distop's operators
-    have first derivatives only."""
+    """A derivative of an operator's derivative was asked for.
+
+    `jax.grad` of a model that itself takes a gradient through an operator, or a
+    Hessian, raises it.
+    distop's operators have first derivatives only.
+    """
 
 
 class ScheduleMismatchError(DistopError, RuntimeError):
@@ -35,12 +50,19 @@ class ScheduleMismatchError(DistopError, RuntimeError):
 
 
 class CollectiveMismatchError(DistopError, RuntimeError):
-    """In checking mode, ranks were about to issue different collectives (or one rank was
-    elsewhere). Raised on every rank, naming what each rank was doing."""
+    """In the checking mode, ranks were about to issue different collectives.
+
+    It is also raised where one rank was elsewhere.
+    Raised on every rank, naming what each rank was doing.
+    """
 
 
 class LauncherMismatchError(DistopError, RuntimeError):
-    """The launcher and the MPI library do not match (raised at import or MPI start)."""
+    """The launcher and the MPI library do not match.
+
+    Raised at `import distop` or when MPI starts, naming the library, the launcher and
+    the fix.
+    """
 
 
 class MPIUnavailableError(DistopError, ImportError):
@@ -48,13 +70,19 @@ class MPIUnavailableError(DistopError, ImportError):
 
 
 class DerivativeCheckError(DistopError, ValueError):
-    """`check_totals(raise_on_error=True)` found a block that fails, raised on every rank."""
+    """`check_totals(raise_on_error=True)` found a block that fails.
+
+    Raised on every rank.
+    """
 
 
 class ConvergenceError(DistopError, RuntimeError):
-    """An iterative solver of `distop.linalg` stopped short of its tolerance (its
-    iteration limit, or a breakdown). Raised on every rank alike, naming the solver, the
-    iterations, the residual against the tolerance and the fix; `result` holds the
-    `SolveResult` reached."""
+    """An iterative solver of `distop.linalg` stopped short of its tolerance.
+
+    That is its iteration limit, or a breakdown.
+    Raised on every rank alike, naming the solver, the iterations, the residual against
+    the tolerance and the fix.
+    Its `result` holds the `SolveResult` reached.
+    """
 
     result: Any = None

@@ -61,22 +61,44 @@ class _Plan:
 
 
 class HaloExchange(DistributedOperator):
-    """This rank's block of a distributed array with `width` rows of halo on each side:
-    distributed (n_r, ...) in, this rank's (n_r + 2 width, ...) window of the global
-    array out (rank-local).
+    """This rank's block with `width` rows of halo on each side.
 
-    The halo rows are the global rows just before and just after the block, taken from
-    the previous and next ranks that own rows, and from ranks further out where those
-    own fewer than `width` (empty blocks are skipped; a rank with no rows gets the
-    2 width rows around its place). Past the global ends they are zeros
-    (`boundary="zero"`) or wrap around (`boundary="periodic"`; with no rows at all, the
-    halo is zeros). Its VJP sends the halo's cotangents back to the ranks owning those
-    rows, which add them to their rows' cotangents; its JVP exchanges the tangents'
-    halos.
+    Distributed (n_r, ...) in; this rank's (n_r + 2 width, ...) window of the global
+    array out (rank-local).
+    The halo rows are the global rows just before and just after the block.
+    They come from the previous and next ranks that own rows, and from ranks further out
+    where those own fewer than `width` (empty blocks are skipped).
+    A rank with no rows gets the 2 width rows around its place.
+    Past the global ends the halo is zeros (`boundary="zero"`) or wraps around
+    (`boundary="periodic"`; with no rows at all, zeros).
+    Its VJP sends the halo's cotangents back to the ranks owning those rows, which add
+    them to their rows' cotangents.
+    Its JVP exchanges the tangents' halos.
 
     **Arguments:**
     - `width`: the rows of each halo (default 1; 0 returns the block).
     - `boundary`: `"zero"` (default) or `"periodic"`.
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's block returns its window.
+
+    **Raises:** `ValueError` for a `width` that is not an integer >= 0 or another
+    `boundary`; `ValueError` when traced, for a 0-d input.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+    halo = distop.HaloExchange()
+    stencil = distop.Problem(lambda x: {"y": (lambda h: h[:-2] + h[1:-1] + h[2:])(halo(x))},
+                             {"x": np.arange(4.0)}, distributed={"x", "y"})
+    assert list(stencil.run()["y"]) == [1.0, 3.0, 6.0, 5.0]  # in one process
+    ```
     """
 
     width: int = 1

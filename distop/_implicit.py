@@ -39,21 +39,21 @@ _METHODS = {
 
 
 class ImplicitOperator(DistributedOperator):
-    """Abstract base class of an operator defined by a residual: y with R(y, inputs) = 0.
+    """Base class of an operator defined by a residual: y with R(y, inputs) = 0.
 
     Subclasses implement, in numpy/scipy with mpi4py, on this rank's blocks:
     - `solve(self, comm, *inputs) -> y`;
-    - `solve_adjoint(self, comm, y_bar, y, *inputs) -> lam`, solving
-      (dR/dy)^T lam = y_bar;
+    - `solve_adjoint(self, comm, y_bar, y, *inputs) -> lam`, solving (dR/dy)^T lam =
+      y_bar;
     - `residual_vjp(self, comm, lam, y, *inputs) -> tuple`: (dR/d input_i)^T lam for
       each input (a tuple even for one input; None for an integer input);
     - optionally, for forward mode: `solve_linear(self, comm, rhs, y, *inputs)`, solving
       (dR/dy) z = rhs, and `residual_jvp(self, comm, tangents, y, *inputs)`, giving
       sum_i (dR/d input_i) tangents[i] (None in place of an integer input's tangent).
 
-    distop derives the VJP, input_bar_i = -residual_vjp_i(solve_adjoint(y_bar)), and the
-    JVP, y_dot = -solve_linear(residual_jvp(tangents)). `solve` runs once per call; its
-    y is what the adjoint receives.
+    distop derives the VJP, input_bar_i = -residual_vjp_i(solve_adjoint(y_bar)).
+    It derives the JVP, y_dot = -solve_linear(residual_jvp(tangents)).
+    `solve` runs once per call; its y is what the adjoint receives.
 
     Class attributes (a subclass sets them in its body):
     - `solve_collectives`, `adjoint_collectives`, `residual_collectives`: the
@@ -61,13 +61,21 @@ class ImplicitOperator(DistributedOperator):
       `residual_vjp` and `residual_jvp`), as an explicit operator declares it.
     - `batched_adjoint`: True if `solve_adjoint` and `residual_vjp` take `y_bar` and
       `lam` with a leading batch axis (K seeds: one block solve for all of them; K may
-      be 1) and return one; `y` and the inputs come without it. Otherwise distop calls them once
-      per seed, in a fixed order.
-    - `ordered`, and the fields `comm` and `ordered`: as for `DistributedOperator`.
+      be 1) and return one; `y` and the inputs come without it. Otherwise distop calls
+      them once per seed, in a fixed order.
+    - `ordered`: as for `DistributedOperator`.
 
-    `output_spec` gives y's shape and dtype (default: the first input's). In the
-    schedule, a call shows as `Op.solve` and `Op.state`, and its derivatives as
+    `output_spec` gives y's shape and dtype (default: the first input's).
+    In the schedule, a call shows as `Op.solve` and `Op.state`, and its derivatives as
     `Op.adjoint` (reverse mode) and `Op.linear` (forward mode).
+
+    **Arguments:**
+    - the subclass's own fields, and `comm` and `ordered`: as for `DistributedOperator`.
+
+    **Returns:** the operator; `op(*inputs)` returns y as a JAX array.
+
+    **Raises:** as `DistributedOperator`; an error names the method that failed
+    (`Poisson.solve_adjoint on rank 2: ...`).
     """
 
     solve_collectives: ClassVar[tuple[str, ...]] = ()
@@ -83,6 +91,8 @@ class ImplicitOperator(DistributedOperator):
         - `inputs`: C-contiguous numpy arrays (read-only).
 
         **Returns:** y, a numpy array of `output_spec`'s shape and dtype.
+
+        **Raises:** `MissingMethodError` here, in the base class.
         """
         raise MissingMethodError(_missing(type(self), "solve"))
 
@@ -96,6 +106,8 @@ class ImplicitOperator(DistributedOperator):
         - `inputs`: the inputs of that call.
 
         **Returns:** lam, shaped as `y_bar`.
+
+        **Raises:** `MissingMethodError` here, in the base class.
         """
         raise MissingMethodError(_missing(type(self), "solve_adjoint"))
 
@@ -108,26 +120,40 @@ class ImplicitOperator(DistributedOperator):
         - `y`: the solution `solve` returned.
         - `inputs`: the inputs of that call.
 
-        **Returns:** a tuple with one array per input, shaped as it (with the batch
-        axis if `batched_adjoint`); None for an integer input.
+        **Returns:** a tuple with one array per input, shaped as it (with the batch axis
+        if `batched_adjoint`); None for an integer input.
+
+        **Raises:** `MissingMethodError` here, in the base class.
         """
         raise MissingMethodError(_missing(type(self), "residual_vjp"))
 
     def solve_linear(self, comm: Any, rhs: Any, y: Any, *inputs: Any) -> Any:
         """Solve (dR/dy) z = rhs (optional: forward mode).
 
+        **Arguments:**
+        - `comm`: the operator's private communicator.
+        - `rhs`: the right-hand side, shaped as y.
+        - `y`: the solution `solve` returned.
+        - `inputs`: the inputs of that call.
+
         **Returns:** z, shaped as `rhs`.
+
+        **Raises:** `MissingMethodError` here, in the base class.
         """
         raise MissingMethodError(_missing(type(self), "solve_linear"))
 
     def residual_jvp(self, comm: Any, tangents: Any, y: Any, *inputs: Any) -> Any:
-        """Push the inputs' tangents through the residual: sum_i (dR/d input_i) t_i
-        (optional: forward mode).
+        """Push the inputs' tangents through the residual (optional: forward mode).
 
         **Arguments:**
+        - `comm`: the operator's private communicator.
         - `tangents`: a tuple with one tangent per input (None for an integer input).
+        - `y`: the solution `solve` returned.
+        - `inputs`: the inputs of that call.
 
-        **Returns:** an array shaped as y.
+        **Returns:** sum_i (dR/d input_i) tangents[i], an array shaped as y.
+
+        **Raises:** `MissingMethodError` here, in the base class.
         """
         raise MissingMethodError(_missing(type(self), "residual_jvp"))
 

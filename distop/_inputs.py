@@ -76,14 +76,31 @@ ALIGN = 64  # the alignment at which XLA's CPU client reads a host buffer in pla
 
 
 def empty(shape: Any, dtype: Any = float) -> np.ndarray:
-    """A new, uninitialized numpy array that XLA can read in place: C-contiguous, at a
-    64-byte-aligned address (numpy's own are usually 16 bytes off it, and XLA copies
-    those). With `Problem(..., copy=None)`, an input made here is shared, not copied:
-    fill it in place first (`out=` of numpy's functions, or `a[...] = ...`).
+    """A new, uninitialized numpy array that XLA can read in place.
+
+    It is C-contiguous, at a 64-byte-aligned address; numpy's own are usually 16 bytes
+    off it, and XLA copies those.
+    With `Problem(..., copy=None)`, an input made here is shared, not copied.
+    Fill it in place first: `out=` of numpy's functions, or `a[...] = ...`.
 
     **Arguments:**
     - `shape`: int or tuple of ints.
     - `dtype`: numpy dtype (default float64), in the machine's byte order.
+
+    **Returns:** the array.
+
+    **Raises:** `TypeError` for a dtype that is not numeric or a shape that is not an
+    int or a tuple of ints; `ValueError` for negative dimensions.
+
+    ```python
+    import numpy as np
+
+    import distop
+
+    w = distop.empty((16, 1000))
+    np.random.default_rng(0).standard_normal(out=w)
+    assert w.ctypes.data % 64 == 0
+    ```
     """
     dtype = np.dtype(dtype).newbyteorder("=")
     if not _numeric(dtype) or not dtype.itemsize:

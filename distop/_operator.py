@@ -39,46 +39,90 @@ from ._guard import check_declarations
 
 
 class DistributedOperator(eqx.Module):
-    """Abstract base class of a differentiable operator whose host code may use MPI.
+    """Base class of a differentiable operator whose methods may use MPI.
 
-    Subclasses implement `forward` and `vjp` with numpy/scipy and mpi4py, and declare the
-    collectives each issues. Calling an instance, `op(x, ...)`, works in any JAX code
-    (`jit`, `grad`, `vjp`, `jacrev`, `vmap`, `lax.scan`, `lax.fori_loop`).
+    Subclasses implement `forward` and `vjp` with numpy/scipy and mpi4py, and declare
+    the communication each method makes.
+    Calling an instance, `op(x, ...)`, works in any JAX code: `jit`, `grad`, `vjp`,
+    `jacrev`, `vmap`, `lax.scan`, `lax.fori_loop`.
+    A subclass without `forward` raises `MissingMethodError` when called.
 
     Class attributes (a subclass sets them in its body):
-    - `forward_collectives`, `vjp_collectives`, `jvp_collectives`: names of the MPI
-      collectives each method issues, e.g. `("Allreduce",)`; empty means purely local.
+    - `forward_collectives`, `vjp_collectives`, `jvp_collectives`: the mpi4py
+      communicator methods each method calls, e.g. `("Allreduce",)` or `("Sendrecv",)`;
+      empty means purely local.
     - `batched_forward`, `batched_vjp`, `batched_jvp`: True if the method accepts a
       leading batch axis on every argument (and returns one), so a whole batch costs one
       collective. Otherwise distop calls it once per batch row, in a fixed order, in one
       callback. A batched method may take a keyword `batched` telling whether the axis
       is there (it is only when distop batches).
-    - `unbatched`: how a batched method receives an input that the batch does not
-      vary (the inputs of a vjp over K seeds, say): `"broadcast"` (default), a
-      C-contiguous copy repeated along the batch axis; `"expand_dims"`, the input
-      itself with a batch axis of length 1 (numpy broadcasting applies), which saves
-      that copy on every call. (Co)tangents are always broadcast.
-    - A method may take a keyword `out`: on the lean path distop passes the buffers its
-      results go to (XLA's own, valid during the call; one array, or a tuple in the
-      order of the results; None in a vjp's place for an integer input, which has no
-      cotangent), else None. Writing the results into them and returning them saves a
-      copy of each; returning other arrays is fine too.
+    - `unbatched`: how a batched method receives an input that the batch does not vary
+      (the inputs of a vjp over K seeds, say). `"broadcast"` (default) gives a
+      C-contiguous copy repeated along the batch axis; `"expand_dims"` gives the input
+      itself with a batch axis of length 1, which saves that copy on every call.
+      (Co)tangents are always broadcast.
     - `ordered`: None (default) orders the callbacks whenever the operator declares
-      collectives and its communicator has more than one rank; True/False force it.
-      Also settable per instance: `MyOp(A, ordered=False)`. Inside a `Problem` on the
-      lean path, every call not set to False is ordered by the token.
+      communication and its communicator has more than one rank; True or False force it.
+      Inside a `Problem` on the lean path, every call not set to False is ordered by the
+      token.
     - `linear`: True if `forward` is linear in its floating-point inputs together
-      (f(a x + b y) = a f(x) + b f(y)); `jax.linear_transpose` then transposes a call
+      (f(a x + b y) = a f(x) + b f(y)). `jax.linear_transpose` then transposes a call
       into a `vjp` call (at zero inputs). Default False.
     - `complex_step`: True if `forward`, given complex inputs, computes the same
       formulas on them and returns complex outputs (no `abs`, `conj`, `real` or
-      comparisons of them), so that `check_totals(method="cs")` may perturb it along
-      the imaginary axis. Default False.
+      comparisons of them). `check_totals(method="cs")` may then perturb it along the
+      imaginary axis. Default False.
 
-    Fields every operator has (keyword-only, optional):
-    - `comm`: the MPI communicator (default `MPI.COMM_WORLD`). User code receives a
-      private duplicate, so distop's traffic never matches the user's own messages.
-    - `ordered`: the per-instance override of the class setting.
+    A method may take a keyword `out`.
+    On the lean path distop passes the buffers its results go to (XLA's own, valid
+    during the call): one array, or a tuple in the order of the results, with None in a
+    vjp's place for an integer input.
+    Elsewhere `out` is None.
+    Writing the results into them and returning them saves a copy of each; returning
+    other arrays is fine too.
+
+    **Arguments:**
+    - the subclass's own fields, positionally or by name (they need no defaults).
+    - `comm`: the MPI communicator (keyword; default `MPI.COMM_WORLD`). Methods receive
+      a private duplicate, so distop's traffic never matches the user's own messages.
+    - `ordered`: the per-instance override of the class setting (keyword), e.g. `MyOp(A,
+      ordered=False)`.
+
+    **Returns:** the operator; `op(*inputs)` returns its outputs as JAX arrays, shaped
+    by `output_spec`.
+
+    **Raises:** `TypeError` when a subclass is made, for an unknown name in its declared
+    communication (naming the nearest one). `OperatorError` (on the failing rank, which
+    aborts the job outside the checking mode) where a method fails, returns the wrong
+    shape or dtype, or makes an MPI call its phase did not declare. `MissingMethodError`
+    where a computation needs a method the operator lacks.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from mpi4py import MPI
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+
+
+    class Scale(distop.DistributedOperator):
+        c: float  # y = (sum over ranks of c) x
+        forward_collectives = vjp_collectives = ("Allreduce",)
+
+        def forward(self, comm, x):
+            total = np.empty(())
+            comm.Allreduce(np.array(self.c), total, op=MPI.SUM)
+            return total * x
+
+        def vjp(self, comm, y_bar, x):
+            return self.forward(comm, y_bar)
+
+
+    assert jax.grad(lambda x: jnp.sum(Scale(2.0)(x)))(jnp.ones(3))[0] == 2.0  # one process
+    ```
     """
 
     comm: Any = eqx.field(default=None, kw_only=True)
@@ -103,11 +147,14 @@ class DistributedOperator(eqx.Module):
 
         **Arguments:**
         - `comm`: the operator's private communicator.
-        - `inputs`: C-contiguous numpy arrays (0-d inputs stay 0-d).
+        - `inputs`: C-contiguous, read-only numpy arrays (0-d inputs stay 0-d).
         - `keywords`: `batched` and `out`, where the method takes them (see the class
           docstring).
 
         **Returns:** a numpy array, or a tuple of them for several outputs.
+
+        **Raises:** `MissingMethodError` here, in the base class: every operator needs
+        it.
         """
         raise MissingMethodError(f"{type(self).__name__} does not implement "
                                  "forward(self, comm, *inputs), which every operator needs.")
@@ -122,13 +169,17 @@ class DistributedOperator(eqx.Module):
         - `keywords`: `batched` and `out`, where the method takes them (see the class
           docstring).
 
-        **Returns:** the input cotangent, or a tuple with one per input.
+        **Returns:** the input cotangent, or a tuple with one per input (None for an
+        integer input).
+
+        **Raises:** `MissingMethodError` here, in the base class: reverse mode needs it.
         """
         raise MissingMethodError(_missing(self, "vjp"))
 
     def jvp(self, comm: Any, tangent: Any, *inputs: Any, **keywords: Any) -> Any:
-        """Push an input tangent forward to the outputs on this rank (optional: it
-        enables forward mode, `jax.jvp` and `jax.jacfwd`).
+        """Push an input tangent forward to the outputs on this rank (optional).
+
+        It enables forward mode: `jax.jvp` and `jax.jacfwd`.
 
         **Arguments:**
         - `comm`: the operator's private communicator.
@@ -139,6 +190,8 @@ class DistributedOperator(eqx.Module):
           docstring).
 
         **Returns:** the output tangent, or a tuple with one per output.
+
+        **Raises:** `MissingMethodError` here, in the base class: forward mode needs it.
         """
         raise MissingMethodError(_missing(self, "jvp"))
 
@@ -150,6 +203,8 @@ class DistributedOperator(eqx.Module):
 
         **Returns:** a `jax.ShapeDtypeStruct`, or a tuple of them for several outputs.
         Default: the same as the first input.
+
+        **Raises:** nothing, in the base class.
         """
         return input_specs[0]
 

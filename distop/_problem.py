@@ -47,9 +47,12 @@ def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
 class Problem:
     """A model compiled into jitted programs whose collectives run in one order everywhere.
 
+    Every rank makes the Problem and calls its methods in the same order: each call is
+    collective.
+
     **Arguments:**
     - `model`: called as `model(**inputs)`; returns a dict of named outputs, computed
-      with jax.numpy and `DistributedOperator` calls.
+      with jax.numpy and operator calls.
     - `inputs`: dict of name -> array, the starting point.
     - `comm`: the MPI communicator the model runs on (default `MPI.COMM_WORLD`); distop
       uses a private duplicate for its own agreement and checks.
@@ -58,34 +61,48 @@ class Problem:
       replicated (the same on every rank).
     - `check_replicated`: if True, every `run` checks that replicated inputs and outputs
       are equal on all ranks and raises on every rank if not.
-    - `backend`: how communicating operators are called from the programs: `"lean"`
-      (default; an XLA FFI call ordered by a token chain, see docs/architecture.md;
-      programs where the chain cannot be proven fall back to `"io_callback"`) or
-      `"io_callback"` (JAX's ordered `io_callback`). Default from `DISTOP_BACKEND`.
-    - `fuse`: on the lean path, run operator calls that are independent of each other
-      and next to each other in the schedule in ONE host call, one after another in
-      schedule order (the same calls and collectives in the same order, the same
-      results, fewer dispatches; `schedule` shows the groups). Under MPI a fused
-      group of derivative calls of communicating operators whose zero (co)tangent rows
-      are found only when the program runs agrees on them with one collective of its
-      own and skips them, so its methods may get fewer rows than unfused (which then
-      get every row: one collective per call would cost more than it saves), with the
-      same results to round-off. Default True, or `DISTOP_FUSE=0`.
+    - `backend`: how operators are called from the programs: `"lean"` (default; an XLA
+      FFI call ordered by a token chain; programs where the chain cannot be proven fall
+      back to `"io_callback"`) or `"io_callback"` (JAX's ordered `io_callback`). Default
+      from `DISTOP_BACKEND`.
+    - `fuse`: on the lean path, run neighbouring operator calls that one host call can
+      run in ONE host call, in schedule order: the same calls, collectives and results,
+      fewer dispatches (`schedule` shows the groups). Under MPI a fused group of
+      derivative calls of communicating operators whose zero (co)tangent rows are found
+      only when the program runs agrees on them with one collective of its own and skips
+      them; unfused calls get every row. Default True, or `DISTOP_FUSE=0`.
     - `copy`: whether distop copies numpy array inputs, here and in `run` and
-      `run_and_compute_totals`, with numpy's meanings. True (default): it keeps its own
-      copy of each, so changing the caller's array later changes nothing here. None: an
-      array XLA can read in place (C-contiguous, in the machine's byte order, at a
-      64-byte-aligned address, as `distop.empty` makes them) is shared, not copied, and
-      others are copied; the caller must then not change a shared array while this
-      Problem may read it (pass a new array to `run` instead). False: as None, but an
-      array that needs a copy is a ValueError. JAX arrays are always shared (they are
-      immutable), and other values (numbers, lists) always converted.
+      `run_and_compute_totals`. True (default): it keeps its own copy of each, so
+      changing the caller's array later changes nothing here. None: an array XLA can
+      read in place (C-contiguous, in the machine's byte order, 64-byte aligned, as
+      `distop.empty` makes them) is shared, not copied; the caller must then not change
+      it while this Problem may read it. False: as None, but an array that needs a copy
+      is a `ValueError`. JAX arrays are always shared, and numbers and lists always
+      converted.
 
-    Attributes: `schedule` (the operator calls of the `compute_totals` program, in
-    program order: forward, then vjp; the `run` program's, only forward, where there
-    is no compute_totals program: an operator has no `vjp`, or JAX cannot differentiate
-    the model),
-    `input_names`, `output_names`, `distributed`.
+    **Returns:** the Problem. Its attributes: `schedule`, `input_names`, `output_names`,
+    `distributed`.
+
+    **Raises:** `TypeError` for a model that is not callable or inputs that are not a
+    non-empty dict; `ValueError` for an unknown `backend`, `copy` or name in
+    `distributed`; `TypeError` for a float64 input in JAX's 32-bit mode. An argument
+    refused on some ranks raises its own `TypeError` or `ValueError` there, and a
+    `DistopError` naming it on the others; ranks that call with different arguments get
+    a `DistopError` on every rank. `ScheduleMismatchError` on every rank where the
+    ranks' programs differ.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(x ** 2)}, {"x": np.arange(3.0)})
+    assert problem.run()["f"] == 5.0
+    assert problem.compute_totals()["f", "x"].tolist() == [[0.0, 2.0, 4.0]]
+    ```
     """
 
     def __init__(self, model: Callable[..., dict[str, Any]], inputs: dict[str, Any], *,
@@ -146,24 +163,30 @@ class Problem:
     # -- public entry points --------------------------------------------------------
     @property
     def schedule(self) -> tuple[ScheduleEntry, ...]:
-        """The operator calls of the default `compute_totals` program, in program order
-        (of the `run` program where there is none: see the class docstring).
+        """The operator calls of the default `compute_totals` program, in program order.
 
-        Local: reading it never communicates, so any subset of ranks may do so.
+        It lists the `run` program's calls where there is no `compute_totals` program:
+        an operator has no `vjp`, or JAX cannot differentiate the model.
+        Reading it never communicates, so any subset of ranks may do so.
+
+        **Returns:** a tuple of `ScheduleEntry`.
         """
         return self._schedule
 
     def profile(self) -> _profile.Profile:
         """Record where each rank's time goes while the returned profile is active.
 
-        Use it as `with problem.profile() as prof:`; entering it is collective (one
-        barrier, so that every rank's clock starts together). While it is active every
-        host call records its method's time outside MPI calls (compute) and inside
-        them (wait: for peers, and the transfer), and every program run its wall time
-        once finished; the rest is JAX's time between host calls. Then, collectively:
-        `prof.report()` (a `Report`), `prof.print_report()` (its table, on rank 0),
-        `prof.write_trace(path)` (Chrome trace-event JSON, for Perfetto) and
-        `prof.plot(path)` (a PNG; needs `distop[plot]`). Off, profiling costs nothing.
+        Use it as `with problem.profile() as prof:`.
+        Entering it is collective: one barrier, so that every rank's clock starts
+        together.
+        While it is active every host call records its method's time outside MPI calls
+        (compute) and inside them (wait: for peers, and the transfer).
+        Every program run records its wall time once finished; the rest is JAX's time
+        between host calls.
+        Then, collectively: `prof.report()` (a `Report`), `prof.print_report()` (its
+        table, on rank 0), `prof.write_trace(path)` (Chrome trace-event JSON, for
+        Perfetto) and `prof.plot(path)` (a PNG; needs `distop[plot]`).
+        Off, profiling costs nothing.
 
         **Returns:** the `Profile` (not yet active).
         """
@@ -171,17 +194,24 @@ class Problem:
 
     @_one_at_a_time
     def run(self, **inputs: Any) -> dict[str, np.ndarray]:
-        """Evaluate the model at `inputs` (others keep their current values).
+        """Evaluate the model at `inputs`; the other inputs keep their current values.
 
         **Arguments:**
         - `inputs`: name=array for the inputs to change (this rank's block for
           distributed inputs).
 
         **Returns:** dict of output name -> numpy array (this rank's block for
-        distributed outputs): read-only views of the program's results, like JAX's
-        own arrays (`.copy()` one to change it). The evaluated point becomes the
-        current point; distop keeps its own copy of numpy inputs unless
-        `Problem(copy=...)` says otherwise (JAX arrays, being immutable, are shared).
+        distributed outputs). The arrays are read-only views of the program's results,
+        like JAX's own arrays (`.copy()` one to change it). The evaluated point becomes
+        the current point; distop keeps its own copy of numpy inputs unless
+        `Problem(copy=...)` says otherwise.
+
+        **Raises:** `ValueError` for an unknown input name; `TypeError` for an array
+        whose dtype differs from a differentiable input's. An argument refused on some
+        ranks raises its own `TypeError` or `ValueError` there, and a `DistopError`
+        naming it on the others; ranks that call with different arguments get a
+        `DistopError` on every rank. `DistopError` on every rank where
+        `check_replicated` finds replicated values that differ.
         """
         point, refused = moved("run", inputs, self._point, self.copy)
         outs = self._coordinator.agreed(lambda: self._executor(self._programs.program(
@@ -213,12 +243,22 @@ class Problem:
           tie). Every rank runs every sweep, as in reverse.
 
         **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
-        identical on every rank for the global format: views of the program's
-        result, read-only like `run`'s values where no gathering copied them
+        identical on every rank for the global format. The arrays are views of the
+        program's result, read-only like `run`'s values where no gathering copied them
         (`.copy()` one to change it). For a complex output, in JAX's convention: the
         derivatives of its real part, along a complex input z = x + iy as d/dx - i d/dy
-        (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag`
-        of it as two outputs for both parts.
+        (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag` of
+        it as two outputs for both parts.
+
+        **Raises:** `ValueError` for an unknown name in `of` or `wrt`, or an unknown
+        `mode`, `return_format` or `direction`. An argument refused on some ranks raises
+        its own error there, and a `DistopError` naming it on the others; ranks that
+        call with different arguments get a `DistopError` on every rank. A
+        `DistopError` on every rank where the derivatives with respect to a replicated
+        input differ between ranks (it is used in rank-dependent computation without
+        `RankLocal`). `MissingMethodError` naming an operator without the `vjp` (or,
+        forward, the `jvp`) the sweeps need. `SecondDerivativeError` where the model
+        itself differentiates through an operator.
         """
         return self._compute_totals(of, wrt, mode=mode, return_format=return_format,
                             direction=direction)
@@ -250,10 +290,11 @@ class Problem:
             self, of: Names = None, wrt: Names = None, *, inputs: dict[str, Any] | None = None,
             mode: str = "batched", return_format: str = "global", direction: str = "rev",
     ) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
-        """`run` and then `compute_totals`, in one program: the values and the total
-        derivatives at one point, with one dispatch and one agreement across ranks
-        where the two calls make two, and each forward call made once (the values and
-        the reverse sweep share it).
+        """`run` and then `compute_totals`, in one program.
+
+        It gives the values and the total derivatives at one point, with one dispatch
+        and one agreement across ranks where the two calls make two.
+        Each forward call is made once: the values and the reverse sweep share it.
 
         **Arguments:**
         - `of`, `wrt`, `mode`, `return_format`, `direction`: as for `compute_totals`.
@@ -263,6 +304,8 @@ class Problem:
         **Returns:** `(values, totals)`: what `run` and `compute_totals` return, the
         totals to round-off (XLA compiles the reverse sweep beside the values, and may
         order its arithmetic otherwise). The evaluated point becomes the current point.
+
+        **Raises:** what `run` and `compute_totals` raise.
         """
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
                                self._point, self.copy, keywords=False)
@@ -304,6 +347,7 @@ class Problem:
         being the error J_fd carries itself (its rounding and truncation, estimated from
         evaluations at the step and twice the step), or where ranks disagree on J.
         Perturbations run as one batched program call.
+        It first checks that replicated inputs and outputs agree across ranks.
 
         **Arguments:**
         - `of`, `wrt`: as for `compute_totals`.
@@ -320,6 +364,11 @@ class Problem:
 
         **Returns:** dict of `(of, wrt)` -> `TotalsCheck` with `J`, `J_fd`, `abs_error`,
         `rel_error`, `ok`, `inconsistent_ranks`, `worst`, `allowed` and `fd_error`.
+
+        **Raises:** `DerivativeCheckError` on every rank if `raise_on_error` and a block
+        fails; `ValueError` for another `method` or `form`, or a bad `step`, `atol` or
+        `rtol`; `DistopError` on every rank where replicated values differ between
+        ranks; what `compute_totals` raises.
         """
         # the arguments are checked once the ranks agree on them: an error on every rank
         key = _totals.request_key

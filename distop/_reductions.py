@@ -28,15 +28,15 @@ def _others_product(comm: Any, x: np.ndarray) -> np.ndarray:
 
 
 class Allreduce(DistributedOperator):
-    """y = the elementwise sum, maximum, minimum or product over ranks of x_r:
-    rank-local in, replicated out.
+    """The elementwise sum, maximum, minimum or product over ranks.
 
-    Derivatives (each rank gets the derivative of y with respect to its own x_r):
+    `Allreduce(op)(x)` reduces every rank's x_r: rank-local in, replicated out.
+    Each rank gets the derivative of y with respect to its own x_r:
     - `"sum"`: as `AllreduceSum`.
     - `"max"`, `"min"`: all of an element's derivative goes to the rank holding the
-      extreme; where several ranks hold it (a tie), to the lowest of them, on every
-      rank alike. The others get zero (all of them where the extreme is NaN). Real
-      values only.
+      extreme; where several ranks hold it (a tie), to the lowest of them, on every rank
+      alike. The others get zero (all of them where the extreme is NaN). Real values
+      only.
     - `"prod"`: the cotangent times the product of the other ranks' values, computed
       without division, so exact where some values are zero.
 
@@ -45,6 +45,14 @@ class Allreduce(DistributedOperator):
 
     **Arguments:**
     - `op`: `"sum"` (default), `"max"`, `"min"` or `"prod"`.
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's x returns the reduction, shaped
+    as x.
+
+    **Raises:** `ValueError` for another `op`; `TypeError` when traced, for `"max"` or
+    `"min"` of complex values.
     """
 
     op: str = "sum"
@@ -125,10 +133,22 @@ def _suffix_sum(comm: Any, y_bar: np.ndarray, inclusive: bool) -> np.ndarray:
 
 
 class Scan(DistributedOperator):
-    """y_r = x_0 + ... + x_r, the inclusive prefix sum over ranks: rank-local in,
-    rank-local out. Its VJP is the reverse prefix sum, x_bar_r = y_bar_r + ... +
-    y_bar_(size-1) (an Allgather of the cotangents); its JVP the prefix sum of the
-    tangents."""
+    """The inclusive prefix sum over ranks: rank-local in and out.
+
+    Rank r gets y_r = x_0 + ... + x_r.
+    Its VJP is the reverse prefix sum, x_bar_r = y_bar_r + ... + y_bar_(P-1) (an
+    Allgather of the cotangents).
+    Its JVP is the prefix sum of the tangents.
+
+    **Arguments:**
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's x returns y_r, shaped as x.
+
+    **Raises:** nothing when made. A call raises as any operator's does (see
+    `DistributedOperator`).
+    """
 
     forward_collectives = ("Scan",)
     vjp_collectives = ("Allgather",)
@@ -154,10 +174,22 @@ class Scan(DistributedOperator):
 
 
 class Exscan(DistributedOperator):
-    """y_r = x_0 + ... + x_(r-1), the exclusive prefix sum over ranks (zeros on rank
-    0): rank-local in, rank-local out. Its VJP is the exclusive reverse prefix sum,
-    x_bar_r = y_bar_(r+1) + ... + y_bar_(size-1) (an Allgather of the cotangents); its
-    JVP the exclusive prefix sum of the tangents."""
+    """The exclusive prefix sum over ranks: rank-local in and out.
+
+    Rank r gets y_r = x_0 + ... + x_(r-1); rank 0 gets zeros.
+    Its VJP is the exclusive reverse prefix sum, x_bar_r = y_bar_(r+1) + ... +
+    y_bar_(P-1) (an Allgather of the cotangents).
+    Its JVP is the exclusive prefix sum of the tangents.
+
+    **Arguments:**
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's x returns y_r, shaped as x.
+
+    **Raises:** nothing when made. A call raises as any operator's does (see
+    `DistributedOperator`).
+    """
 
     forward_collectives = ("Exscan",)
     vjp_collectives = ("Allgather",)

@@ -65,12 +65,23 @@ def _gather_rows(comm: Any, rows: np.ndarray, counts: list[int], root: int) -> n
 
 
 class Reduce(DistributedOperator):
-    """The sum over ranks of x_r on the root, zeros elsewhere: rank-local in, rank-local
-    out (the sum on the root only). Its VJP broadcasts the root's cotangent to every
-    rank (the other ranks' are ignored); its JVP reduces the tangents to the root.
+    """The sum over ranks on the root, zeros elsewhere: rank-local in and out.
+
+    Its VJP broadcasts the root's cotangent to every rank (the other ranks' are
+    ignored).
+    Its JVP reduces the tangents to the root.
+    Pass the result through `Broadcast(root=...)` to make it replicated.
 
     **Arguments:**
     - `root`: the rank that gets the sum (default 0).
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it returns the sum on the root and zeros of its
+    shape elsewhere.
+
+    **Raises:** `ValueError` when traced, where `root` is not a rank of the
+    communicator.
     """
 
     root: int = 0
@@ -105,17 +116,27 @@ class Reduce(DistributedOperator):
 
 
 class Gather(DistributedOperator):
-    """Every rank's block, one after the other, on the root: distributed (n_r, ...) in,
-    (N, ...) out on every rank, the concatenation on the root and zeros elsewhere
-    (rank-local). A 0-d value per rank counts as one row. Its VJP scatters the root's
-    cotangent: each rank gets its rows of it (the other ranks' cotangents are ignored);
-    its JVP gathers the tangents.
+    """Every rank's block on the root, zeros elsewhere: distributed in, rank-local out.
 
+    Rank r passes its (n_r, ...) block; every rank gets an (N, ...) array: the
+    concatenation on the root, zeros elsewhere.
+    A 0-d value per rank counts as one row.
+    Its VJP scatters the root's cotangent: each rank gets its rows of it (the other
+    ranks' cotangents are ignored).
+    Its JVP gathers the tangents.
     Finding N takes one small collective while the program is traced, as for
     `Allgather`.
 
     **Arguments:**
     - `root`: the rank that gets the rows (default 0).
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it on this rank's block returns the (N, ...)
+    array.
+
+    **Raises:** `ValueError` when traced, where `root` is not a rank of the
+    communicator.
     """
 
     root: int = 0
@@ -158,16 +179,24 @@ class Gather(DistributedOperator):
 
 
 class Scatter(DistributedOperator):
-    """The root's array split into row blocks: (N, ...) in on every rank, only the
-    root's values used (rank-local), distributed (counts[r], ...) out. Its VJP gathers
-    the cotangent blocks on the root, zeros elsewhere; its JVP scatters the root's
-    tangent.
+    """The root's array split into row blocks: rank-local in, distributed out.
 
-    Every rank passes an array of the root's shape (its values do not matter).
+    Every rank passes an (N, ...) array of the root's shape; only the root's values are
+    used.
+    Rank r gets its (counts[r], ...) block.
+    Its VJP gathers the cotangent blocks on the root, zeros elsewhere.
+    Its JVP scatters the root's tangent.
 
     **Arguments:**
     - `root`: the rank whose array is split (default 0).
     - `counts`: rows per rank (default: as even as possible, earlier ranks first).
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+    - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+
+    **Returns:** an operator; calling it returns this rank's block of the root's array.
+
+    **Raises:** `ValueError` when traced, where `root` is not a rank, the input is 0-d,
+    or `counts` does not add up to N.
     """
 
     root: int = 0

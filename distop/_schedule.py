@@ -23,20 +23,28 @@ from ._ffi import CHECKPOINTS
 class ScheduleEntry:
     """One operator call of a compiled program, in program order.
 
-    Fields: `index`, `operator` (class name), `phase` (`forward`/`vjp`), `collectives`
-    (declared for that phase), `input_shapes`, `output_shapes`, `input_dtypes`,
-    `output_dtypes` (unbatched), `batch` (batch sizes, outermost first; () if not
-    batched; a derivative call is passed only the rows of its batch whose (co)tangents
-    can be nonzero), `ordered`, `context` (enclosing loops and branches, e.g. `scan[3]`),
-    `input_distributed`, `output_distributed` (per argument: whether its local axis 0
-    differs between ranks, in which case the shape shows the global size of that axis),
-    `lean` (called through the lean path: ordered by the program's token chain),
-    `group` (the host call that runs the entry, counted in program order: entries with
-    the same group were fused into one host call and run one after another in it),
-    `made` (False for a call the lean program leaves out because nothing reads its
-    results, such as a forward call in `compute_totals` whose values only the outputs
-    need: it keeps its place in program order and carries the group of the next call
-    made, or of the last one at the end, so the groups are still the host calls).
+    `Problem.schedule` lists them; `describe()` gives one line.
+
+    **Arguments:**
+    - `index`: the call's place in program order.
+    - `operator`: the operator's class name.
+    - `phase`: `forward`, `vjp` or `jvp` (implicit operators: `solve`, `state`,
+      `adjoint`, `linear`).
+    - `collectives`: the communication declared for that phase.
+    - `input_shapes`, `output_shapes`, `input_dtypes`, `output_dtypes`: unbatched.
+    - `batch`: batch sizes, outermost first; () if not batched. A derivative call is
+      passed only the rows of its batch whose (co)tangents can be nonzero.
+    - `ordered`: whether the call is ordered.
+    - `context`: enclosing loops and branches, e.g. `scan[3]`.
+    - `input_distributed`, `output_distributed`: per argument, whether its local axis 0
+      differs between ranks; the shape then shows the global size of that axis.
+    - `lean`: called through the lean path, ordered by the program's token chain.
+    - `group`: the host call that runs the entry, counted in program order. Entries with
+      the same group were fused into one host call and run one after another in it.
+    - `made`: False for a call the lean program leaves out because nothing reads its
+      results, such as a forward call in `compute_totals` whose values only the outputs
+      need. It keeps its place in program order and carries the group of the next call
+      made (or of the last one, at the end), so the groups are still the host calls.
     """
 
     index: int

@@ -35,20 +35,23 @@ Say = Callable[[str], None]  # prints a line (on rank 0), or nothing
 
 @dataclasses.dataclass
 class TotalsCheck:
-    """The result of checking one `(of, wrt)` block.
+    """The result of checking one `(of, wrt)` block with `check_totals`.
 
     An entry fails where |J - J_fd| > atol + rtol |J_fd| + e_fd, e_fd being the error
     the finite-difference estimate J_fd carries itself (see `fd_error`).
 
-    Fields: `J` (from `compute_totals`), `J_fd` (finite differences or complex step),
-    `abs_error` and `rel_error` (|J - J_fd| and |J - J_fd| / |J_fd| at the worst
-    entry), `ok` (every entry within its allowance, on every rank, and the ranks agree),
-    `inconsistent_ranks` (ranks whose J or J_fd differ from the majority's), `worst`
-    (the (row, column) whose error is the largest share of its allowance; None for an
-    empty block), `allowed` (that entry's allowance: the block passes where
-    `abs_error <= allowed`), `fd_error` (e_fd per entry: its rounding, from the
-    values' magnitude and precision, plus its truncation, from estimates at the step
-    and twice the step).
+    **Arguments:**
+    - `J`: the block from `compute_totals`.
+    - `J_fd`: the block from finite differences or the complex step.
+    - `abs_error`, `rel_error`: |J - J_fd| and |J - J_fd| / |J_fd| at the worst entry.
+    - `ok`: whether every entry is within its allowance, on every rank, and the ranks
+      agree.
+    - `inconsistent_ranks`: the ranks whose J or J_fd differ from the majority's.
+    - `worst`: the (row, column) whose error is the largest share of its allowance;
+      None for an empty block.
+    - `allowed`: that entry's allowance; the block passes where `abs_error <= allowed`.
+    - `fd_error`: e_fd per entry: its rounding, from the values' magnitude and
+      precision, plus its truncation, from estimates at the step and twice the step.
     """
 
     J: np.ndarray
@@ -450,14 +453,24 @@ def shard(n_samples: int, comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Split `n_samples` over the ranks so that every rank gets the same count.
 
     Rank r takes its contiguous share (sizes differ by at most one) and pads it by
-    wrap-around to ceil(n / P) samples; padding samples carry weight 0, so a weighted
-    loss is exact and every rank runs the same number of steps and collectives.
+    wrap-around to ceil(N / P) samples.
+    Padding samples carry weight 0, so a weighted loss is exact.
+    Every rank then runs the same number of steps and collectives.
 
     **Arguments:**
     - `n_samples`: the number of samples, N >= 1.
     - `comm`: the communicator (default `MPI.COMM_WORLD`).
 
     **Returns:** `(indices, weights)`: int64 and float64 arrays of length ceil(N / P).
+
+    **Raises:** `ValueError` for fewer than one sample.
+
+    ```python
+    import distop
+
+    indices, weights = distop.shard(10)
+    assert len(indices) == len(weights)  # ceil(10 / P) on every rank
+    ```
     """
     comm = world() if comm is None else comm
     size, rank = comm.Get_size(), comm.Get_rank()

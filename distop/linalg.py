@@ -303,6 +303,16 @@ def cg(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None, *,
     r^T M^-1 r <= 0: M not positive definite; NaN). `ValueError` or `TypeError` for a
     wrong block (b not 1-D, x0 shaped unlike b, matvec or precondition returning
     another shape) on its rank, and a `DistopError` naming that rank on the others.
+
+    ```python
+    import numpy as np
+
+    from distop.linalg import cg
+
+    A = np.array([[4.0, 1.0], [1.0, 3.0]])
+    result = cg(None, lambda v: A @ v, np.array([1.0, 2.0]))  # one process: comm=None
+    assert result.converged and np.allclose(A @ result.x, [1.0, 2.0])
+    ```
     """
     solve = _Solve(comm, name, matvec, precondition)
     b, x0 = solve.start(b, x0, rtol, atol, maxiter)

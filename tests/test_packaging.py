@@ -1,15 +1,14 @@
-"""The README's commands are what CI runs, its code runs, and the package says its
+"""The README's commands are what CI runs, its example runs, and the package says its
 version."""
 
 import importlib.metadata
-import re
 import shutil
 import subprocess
 import sys
 import zipfile
 
-import jax.numpy as jnp
 import numpy as np
+from doc_blocks import blocks
 from helpers import ROOT
 
 import distop
@@ -31,19 +30,16 @@ def test_version():
     assert distop.__version__ == importlib.metadata.version("distop")
 
 
-def test_the_readme_code_runs_as_written():
-    readme = (ROOT / "README.md").read_text()
-    operator, usage = re.findall(r"```python\n(.*?)```", readme, re.S)[:2]
-    scope = {}
-    exec(operator, scope)  # noqa: S102 - the README's own code
-    rng = np.random.default_rng(0)
-    A = rng.standard_normal((3, 4))
-    w, x0, x1, x2 = rng.standard_normal(3), np.ones(4), np.arange(4.0), np.full(4, 0.5)
-    scope.update(op=scope["DistributedMatvec"](A), w=w, x0=x0, x1=x1, x2=x2, jnp=jnp)
-    exec(usage, scope)  # noqa: S102
-    np.testing.assert_allclose(scope["values"]["f"], w @ A @ x2, rtol=1e-12)
+def test_the_readme_example_runs_in_one_process_too():
+    # (tests/test_docs.py runs it under mpiexec -n 4, as the README says)
+    example, = blocks(ROOT / "README.md")
+    scope = {"__name__": "__main__"}
+    exec(example.code, scope)  # noqa: S102 - the README's own code
+    problem, x = scope["problem"], np.linspace(0.0, 1.0, 4)
+    A, w = scope["op"].A, np.asarray(scope["w"])
+    np.testing.assert_allclose(scope["values"]["f"], w @ A @ x, rtol=1e-12)
     np.testing.assert_allclose(scope["totals"]["f", "x"], (w @ A)[None], rtol=1e-12)
-    assert [e.phase for e in scope["problem"].schedule] == ["forward", "vjp"]
+    assert [e.phase for e in problem.schedule] == ["forward", "vjp"]
 
 
 def test_the_wheel_holds_every_module_and_the_typing_marker(tmp_path):

@@ -15,6 +15,7 @@ def x64_enabled() -> bool:
 # The effect JAX's ordered io_callback carries, declared by distop's host-call primitive
 # so that its lowering may issue ordered callbacks. No public name as of jax 0.10.2.
 from jax._src.callback import _OrderedIOEffect as ORDERED_IO_EFFECT  # noqa: E402, F401
+from jax._src.config import int_state as _int_state  # noqa: E402  (see lean_session)
 from jax._src.core import ShapedArray, no_effects  # noqa: E402, F401
 
 # The trace a primitive binds into, and the class of the traces that make programs
@@ -23,6 +24,14 @@ from jax._src.core import trace_ctx as _trace_ctx  # noqa: E402
 from jax._src.interpreters.partial_eval import (  # noqa: E402
     DynamicJaxprTrace as ProgramTrace,  # noqa: F401
 )
+
+# A JAX setting naming the lean tracing session under way (0: none). JAX keys its caches
+# of traced bodies (of loops, branches, checkpoints, inner jits) on such settings, so a
+# body traced in one session is traced afresh in another one and outside any: its host
+# calls belong to one program. No public way to add a setting as of jax 0.12.0.
+lean_session = _int_state("distop_lean_session", 0, "The lean tracing session under way "
+                          "(set by distop while it traces a program).",
+                          include_in_trace_context=True)
 
 
 def current_trace() -> object:

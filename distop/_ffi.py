@@ -24,7 +24,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from . import _xla_ffi
 from ._calls.base import HostCallable
-from ._compat import ProgramTrace, current_trace, x64_enabled
+from ._compat import ProgramTrace, current_trace, lean_session, x64_enabled
 from ._coordinator import offered, withdraw
 from ._errors import DistopError
 from ._xla_ffi import (
@@ -347,19 +347,29 @@ def session() -> Session | None:
     return getattr(_state, "session", None)
 
 
+_sessions = itertools.count(1)
+
+
 class tracing:
-    """Context manager: trace a program with the lean path, starting from `token`."""
+    """Context manager: trace a program with the lean path, starting from `token`.
+
+    The session's number is a JAX setting while it lasts (`_compat.lean_session`), so
+    JAX traces the bodies of loops and branches afresh for each session: a body traced
+    once is not reused by another program, or outside a Problem, with its calls."""
 
     def __init__(self, token: Any) -> None:
         self.session = Session(token)
+        self.key = lean_session(next(_sessions))
 
     def __enter__(self) -> Session:
         self.previous = session()
+        self.key.__enter__()
         _state.session = self.session
         return self.session
 
     def __exit__(self, *exc: object) -> None:
         _state.session = self.previous
+        self.key.__exit__(*exc)
 
 
 def chained(closed_jaxpr: ClosedJaxpr) -> bool:

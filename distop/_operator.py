@@ -353,7 +353,8 @@ def _bind(call: HostCall, args: Sequence[Any]) -> list[Any]:
     if not call.lean:
         return host_call_p.bind(*args, call=call)
     session = _ffi.session()
-    assert session is not None  # (a call is lean only while a session traces)
+    if session is None:  # (a lean call's derivative, traced again after its session)
+        return host_call_p.bind(*args, call=call.unleaned())
     if not session.at_top():
         # In the body of the model's own loop, branch or checkpoint: a placeholder
         # token, which the program's rewrite replaces (see _passes/nested.py).

@@ -211,3 +211,27 @@ def test_a_call_reading_every_step_of_a_python_loop_reads_slices_of_its_stacks()
 
     np.testing.assert_allclose(J["f", "u"][0], jax.grad(reference)(np.linspace(0.1, 0.9, 4)),
                                rtol=1e-12)
+
+
+def test_a_body_traced_in_a_problem_is_traced_afresh_elsewhere():
+    # JAX caches the traced bodies of loops and branches by function: an operator used
+    # as a branch in one Problem, in another, and outside any, gets calls of each's own
+    op = Wave({})
+    x = np.linspace(0.1, 0.9, 3)
+
+    def model(x):
+        return {"f": jnp.sum(lax.cond(x.sum() > 0, op, lambda v: v * 2, x))}
+
+    def reference(x):
+        return jnp.sum(wave(x))
+
+    first = distop.Problem(model, {"x": x})
+    np.testing.assert_allclose(first.compute_totals()["f", "x"][0], jax.grad(reference)(x),
+                               rtol=1e-13)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: model(x)["f"]))(x),
+                               jax.grad(reference)(x), rtol=1e-13)
+    second = distop.Problem(model, {"x": x})
+    del first  # (its programs' call sites go with it)
+    np.testing.assert_allclose(second.compute_totals()["f", "x"][0], jax.grad(reference)(x),
+                               rtol=1e-13)
+    np.testing.assert_allclose(second.run()["f"], reference(x), rtol=1e-13)

@@ -196,6 +196,11 @@ class HostCall(HostCallable):
                         self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
                         self.batch_shape, lean=self.lean)
 
+    def unleaned(self) -> "HostCall":
+        """**Returns:** this call off the lean path: an ordered `io_callback`."""
+        return HostCall(self.op, self.phase, self.comm, True, self.in_specs,
+                        self.out_specs, self.levels, self.batch_shape)
+
     def narrowed(self, count: int) -> "HostCall":
         """**Returns:** this call on `count` rows of its one batch level (a rewritten
         program passes it only the rows that can be nonzero); its `origin` is this call

@@ -142,6 +142,13 @@ class PerCommunicator:
         self._values(comm)[self] = value
 
 
+def check_live(comm: Any) -> None:
+    """Check that `comm` (a private communicator) was not freed with the user's.
+
+    **Raises:** `DistopError` if it was, saying so."""
+    _record(comm)
+
+
 def _record(comm: Any) -> _Duplicate:
     """**Returns:** the record of a private communicator (or of the single-process
     stand-in, which needs no duplicate). **Raises:** `DistopError` if it was freed."""

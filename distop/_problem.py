@@ -36,10 +36,12 @@ Result = TypeVar("Result")
 def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
                    ) -> Callable[Concatenate["Problem", Arguments], Result]:
     """`method` under its Problem's lock: threads calling one Problem take turns, each
-    call whole (its agreement, programs, point and token are the Problem's own)."""
+    call whole (its agreement, programs, point and token are the Problem's own). A
+    Problem whose communicator was freed raises a `DistopError` saying so."""
     @functools.wraps(method)
     def locked(self: "Problem", *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
         with self._lock:
+            _comm.check_live(self.comm)  # (freed with the user's: a DistopError, alike)
             return method(self, *args, **kwargs)
     return locked
 

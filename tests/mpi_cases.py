@@ -1351,6 +1351,13 @@ def what_distop_keeps_per_communicator_goes_with_it():
     assert _coordinator._widths[narrow.comm] == 2 and narrow._coordinator.serial == 0
     assert narrow.run()["s"] == 2.0 * size
     second.Free()
+    for call in (narrow.run, narrow.compute_totals):  # used after: a DistopError, alike
+        try:
+            call()
+        except distop.DistopError as err:
+            assert "communicator was freed" in str(err), err
+        else:
+            raise AssertionError("no error for a Problem used after its communicator")
 
 
 # -- implicit operators ---------------------------------------------------------------

@@ -218,7 +218,9 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--first-scan", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--first-python", type=int, nargs="+", default=[100, 1000])
-    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--sections", nargs="+", default=["step", "first"],
+                        choices=["step", "first", "memory"])
+    parser.add_argument("--memory", action="store_true", help="the memory table too")
     parser.add_argument("--memory-ranks", type=int, default=2)
     parser.add_argument("--memory-steps", type=int, default=10_000)
     parser.add_argument("--memory-size", type=int, default=100_000)
@@ -242,8 +244,10 @@ def main(argv=None):
             failed = True
         return result
 
+    sections = set(args.sections) | ({"memory"} if args.memory else set())
     rows = []
-    for ranks, points in ((r, p) for p in args.sizes for r in args.ranks):
+    for ranks, points in ((r, p) for p in args.sizes for r in args.ranks
+                          if "step" in sections):
         r = run("step", ranks, "--points", str(points))
         if r is None:
             continue
@@ -255,22 +259,24 @@ def main(argv=None):
                          fmt(ratio(r[f"scan {entry}"], r[f"python {entry}"]), "x"),
                          fmt(ratio(r[f"scan {entry}"], floor), "x"),
                          fmt(ratio(r[f"python {entry}"], floor), "x"), fmt(r["err"], "e")])
-    print_table(f"{args.steps} steps of u = op(u) + 0.01 (one Allreduce of the state each "
-                f"way): per step (us), max over ranks of the median of {args.repeat} "
-                "interleaved calls; floor = hand + dispatch / steps",
-                ["ranks", "points", "entry", "scan", "python", "hand", "dispatch (1 call)",
-                 "scan/python", "scan/floor", "python/floor", "err"], rows)
+    if rows:
+        print_table(f"{args.steps} steps of u = op(u) + 0.01 (one Allreduce of the state each "
+                    f"way): per step (us), max over ranks of the median of {args.repeat} "
+                    "interleaved calls; floor = hand + dispatch / steps",
+                    ["ranks", "points", "entry", "scan", "python", "hand", "dispatch (1 call)",
+                     "scan/python", "scan/floor", "python/floor", "err"], rows)
     rows = []
     for kind, counts in (("scan", args.first_scan), ("python", args.first_python)):
-        for n in counts:
+        for n in counts if "first" in sections else ():
             r = run("first", 1, "--kind", kind, "--steps", str(n))
             if r is not None:
                 rows.append([kind, str(n), fmt(r["run"], "s"), fmt(r["totals"], "s"),
                              fmt(r["run"] / n, "ms"), fmt(r["totals"] / n, "ms")])
-    print_table("first calls on 1 rank (s): creating the Problem and its first run; the "
-                "first compute_totals; and each per step (ms)",
-                ["model", "steps", "run", "compute_totals", "run/step", "totals/step"], rows)
-    if args.memory:
+    if rows:
+        print_table("first calls on 1 rank (s): creating the Problem and its first run; the "
+                    "first compute_totals; and each per step (ms)",
+                    ["model", "steps", "run", "compute_totals", "run/step", "totals/step"], rows)
+    if "memory" in sections:
         rows, found = [], {}
         for kind in ("store", "checkpoint"):
             r = run("memory", args.memory_ranks, "--kind", kind)

@@ -68,3 +68,20 @@ def test_watchdog_benchmark_prints_its_table():
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
     assert set(rows) == {"Allreduce(8", "method:", "Get_rank()"}, proc.stdout
     assert all(float(value) > 0 for value in rows["Allreduce(8"][2:4]), proc.stdout
+
+
+def test_loops_benchmark_prints_its_three_tables():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loops.py"), "--ranks", "2", "--steps", "20",
+         "--repeat", "1", "--sizes", "8", "--first-scan", "20", "--first-python", "20",
+         "--memory", "--memory-ranks", "2", "--memory-steps", "16", "--memory-size", "100"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for title in ("20 steps of u = op(u) + 0.01", "first calls on 1 rank",
+                  "compute_totals over 16 steps"):
+        assert title in proc.stdout, proc.stdout
+    # every variant's totals agree with the hand-written reverse sweep
+    for line in proc.stdout.splitlines():
+        if line.strip().startswith("2 ") and ("run" in line or "totals" in line):
+            assert float(line.split()[-1]) < 1e-12, line

@@ -720,7 +720,7 @@ def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
     J = problem.compute_totals("f", "x")["f", "x"]
     np.testing.assert_allclose(J, w @ a_local.toarray(), rtol=1e-13)
     program = problem._programs.programs[
-        "compute_totals", ("batched", ("f",), ("x",), False),
+        "compute_totals", ("batched", ("f",), ("x",), False, "rev"),
         id(next(iter(problem._programs.layouts.values())))]
     spec = {"x": jax.ShapeDtypeStruct((8,), np.float64),
             "w": jax.ShapeDtypeStruct((5, 8), np.float64)}

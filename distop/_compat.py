@@ -1,5 +1,7 @@
 """Shims over JAX versions: every one names what lets it go."""
 
+from typing import Any
+
 import jax
 
 from ._config import env_flag
@@ -88,3 +90,31 @@ def prefer_inline_execution() -> None:
             jax.config.update("jax_cpu_enable_async_dispatch", False)
     except (ImportError, AttributeError):  # pragma: no cover - other jax releases
         pass
+
+
+# `lax.scan`'s parameters: counts of constants and carried values up to jax 0.11, trees
+# of them (`ft_in`, `ft_out`) from jax 0.12.0 on.
+def scan_consts(params: dict) -> int:
+    """**Returns:** how many constants a scan's body takes first."""
+    if "num_consts" in params:
+        return int(params["num_consts"])
+    return len(params["ft_in"].unpack()[0])
+
+
+def scan_carrying_one_more(params: dict) -> dict:
+    """**Returns:** a scan's parameters with one more carried value, the first."""
+    params = dict(params)
+    if "num_carry" in params:
+        at = params["num_consts"]
+        params["num_carry"] += 1
+        if "linear" in params:  # (a parameter of some jax releases)
+            params["linear"] = (*params["linear"][:at], False, *params["linear"][at:])
+        return params
+    import importlib
+
+    flattree: Any = importlib.import_module("jax._src.flattree")
+    consts, carry, xs = params["ft_in"].unpack()
+    carry_out, ys = params["ft_out"].unpack()
+    params["ft_in"] = flattree.pack((consts, flattree.pack((flattree.nones(1), carry)), xs))
+    params["ft_out"] = flattree.pack((flattree.pack((flattree.nones(1), carry_out)), ys))
+    return params

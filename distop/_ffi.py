@@ -24,7 +24,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from . import _xla_ffi
 from ._calls.base import HostCallable
-from ._compat import ProgramTrace, current_trace, lean_session, x64_enabled
+from ._compat import ProgramTrace, current_trace, lean_session, scan_consts, x64_enabled
 from ._coordinator import offered, withdraw
 from ._errors import DistopError
 from ._xla_ffi import (
@@ -411,7 +411,7 @@ def link(eqn: JaxprEqn) -> tuple[int, int] | None:
     """
     name = eqn.primitive.name
     if name == "scan":
-        return eqn.params["num_consts"], 0
+        return scan_consts(eqn.params), 0
     if name == "while":
         return eqn.params["cond_nconsts"] + eqn.params["body_nconsts"], 0
     if name == "cond":

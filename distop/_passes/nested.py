@@ -27,7 +27,7 @@ from jax.extend.core import (
 from jax.extend.core.primitives import convert_element_type_p
 
 from .._calls.base import HostCallable
-from .._compat import ShapedArray, no_effects
+from .._compat import ShapedArray, no_effects, scan_carrying_one_more, scan_consts
 from .._errors import DistopError
 from .._ffi import CHECKPOINTS, anywhere, has_lean, inner_eqns, token_dtype
 from .jaxprs import is_lean, shaped
@@ -85,11 +85,9 @@ def _around(eqn: JaxprEqn, token: Var) -> tuple[JaxprEqn, Var]:
     name, params = eqn.primitive.name, dict(eqn.params)
     after = Var(token.aval)
     if name == "scan":
-        at = params["num_consts"]
+        at = scan_consts(params)
+        params = scan_carrying_one_more(params)
         params["jaxpr"] = _closed_body(params["jaxpr"], at)
-        params["num_carry"] += 1
-        if "linear" in params:  # (a parameter of some jax releases)
-            params["linear"] = (*params["linear"][:at], False, *params["linear"][at:])
     elif name == "while":
         if anywhere(params["cond_jaxpr"].jaxpr.eqns, is_lean):
             raise DistopError(f"{_first_call(params['cond_jaxpr'].jaxpr.eqns)} is called "

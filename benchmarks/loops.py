@@ -47,15 +47,18 @@ def operator_class():
         vjp_collectives = ("Allreduce",)
         batched_vjp = True
 
-        def forward(self, comm, x):
-            y = np.empty_like(x)
+        def forward(self, comm, x, out=None):
+            # (into XLA's own buffer where distop offers it: no copy of the result)
+            y = np.empty_like(x) if out is None else out
             comm.Allreduce(x, y)
-            return y / comm.Get_size()
+            y /= comm.Get_size()
+            return y
 
-        def vjp(self, comm, y_bar, x):
-            x_bar = np.empty_like(y_bar)
+        def vjp(self, comm, y_bar, x, out=None):
+            x_bar = np.empty_like(y_bar) if out is None else out
             comm.Allreduce(np.ascontiguousarray(y_bar), x_bar)
-            return x_bar / comm.Get_size()
+            x_bar /= comm.Get_size()
+            return x_bar
 
     return Mean
 

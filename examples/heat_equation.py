@@ -11,7 +11,7 @@ the reverse sweep stores every k-th state and recomputes the others.
 
 Prints `max relative error <x.xe-xx>` on rank 0; exits non-zero above 1e-10.
 
-Options: --steps N (default 200), --n (default 24), --checkpoint-every k (default 0:
+Options: --steps N (default 60), --n (default 12), --checkpoint-every k (default 0:
 no checkpointing; N must be a multiple of k).
 """
 
@@ -101,8 +101,8 @@ def evolve(u0, kappa, steps, every, halo, dt, h):
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--n", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--n", type=int, default=12)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     args = parser.parse_args(argv)
     if args.checkpoint_every and args.steps % args.checkpoint_every:

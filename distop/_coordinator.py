@@ -82,7 +82,10 @@ class Coordinator:
         every = [mine]
         if self.comm.Get_size() > 1:
             with _watchdog.watchdog.watch(f"Problem: {what}"):
-                every = self.comm.allgather(mine)
+                # every rank's message and share only where some rank failed or
+                # something is shared: else one fixed-size reduction says all went well
+                if share is not None or self.any_rank(error is not None):
+                    every = self.comm.allgather(mine)
             if any(m for m, _ in every) and error is None:
                 failed = DistopError(f"{what} failed on other ranks:\n" + "\n".join(
                     f"  rank {r}: {m}" for r, (m, _) in enumerate(every) if m))
@@ -91,6 +94,24 @@ class Coordinator:
         if error is not None:
             raise error
         return result if share is None else (result, [shared for _, shared in every])
+
+    def any_rank(self, mine: bool) -> bool:
+        """**Returns:** whether `mine` is True on some rank: one reduction of a fixed
+        size, whatever the number of ranks."""
+        flag = np.array([1 if mine else 0], np.int64)
+        found = np.empty_like(flag)
+        self.comm.Allreduce(flag, found, op=_max())
+        return bool(found[0])
+
+    def most(self, vector: np.ndarray) -> np.ndarray:
+        """**Returns:** the elementwise maximum of an int64 `vector` over the ranks
+        (every rank passes one of the same length)."""
+        if self.comm.Get_size() == 1:
+            return vector
+        found = np.empty_like(vector)
+        with _watchdog.watchdog.watch("Problem: agreeing on a program's rewrites"):
+            self.comm.Allreduce(np.ascontiguousarray(vector), found, op=_max())
+        return found
 
     def widen(self, widths: list[int]) -> None:
         """Make every agreement on this communicator send rows of the largest of
@@ -155,8 +176,9 @@ class Coordinator:
                 self._pending = CallAgreement(self.comm, [fixed[1], guess[1], *own],
                                               _widths[self.comm], guess[0])
                 return guess[0], True
-            every = CallAgreement(self.comm, [fixed[1], -1, *own],
-                                  _widths[self.comm]).gather()
+            first = CallAgreement(self.comm, [fixed[1], -1, *own], _widths[self.comm])
+            first.ranks_differ()  # (always True: no rank expects sizes here)
+            every = first.gather()
         if (every[:, 0] != every[0, 0]).any():
             self._differ(fixed, refused)
         counts = block_sizes(every, len(own))
@@ -255,23 +277,29 @@ class Coordinator:
 class CallAgreement:
     """The agreement of one call of an entry point across ranks.
 
-    Every rank sends (`mine`) the hash of its request and shapes, the hash of the block
+    Every rank holds (`mine`) the hash of its request and shapes, the hash of the block
     sizes its layout was made for (-1 where it has made no layout yet) and the block
-    sizes of its distributed inputs, padded with zeros to the `width` of every agreement
-    on its communicator (the most any rank's Problem made on it sends, agreed as each
-    Problem is made, so the same on every rank: ranks calling Problems with other
-    numbers of distributed inputs send rows of one size, and raise the error of
-    differing requests instead of MPI's of differing message sizes). The ranks have
-    agreed on a layout made in advance (that of the sizes of the request's last call)
-    when all send the same two hashes and the block sizes are those the layout was made
-    for (`expect`): a test of what every rank sent, so every rank decides alike.
+    sizes of its distributed inputs. The ranks have agreed on a layout made in advance
+    (that of the sizes of the request's last call) when all hold the same two hashes
+    and every rank's own block sizes are those the layout was made for (`expect`).
+
+    Each rank tests its own sizes against `expect` itself, so one `Allreduce(MAX)` of a
+    fixed five numbers decides it: both hashes and their negations (all ranks hold the
+    same hash exactly when its maximum is minus the maximum of its negation) and a flag
+    raised by a rank whose sizes differ or that expects none. Only where that finds a
+    difference do the ranks gather every rank's row (`gather`), padded with zeros to the
+    `width` of every agreement on its communicator (the most any rank's Problem made on
+    it sends, agreed as each Problem is made, so the same on every rank: ranks calling
+    Problems with other numbers of distributed inputs send rows of one size, and raise
+    the error of differing requests instead of MPI's of differing message sizes). Both
+    steps depend only on what every rank sent, so every rank decides alike.
 
     Made before the program where the rank made no layout in advance, or where the
     program cannot make it (see `Program.ahead`); else by the program's first host
     call, right before its method (see `offered`): one collective beside the method's
     own, where one before the program would make the ranks meet once more. Every rank
-    makes it before any method of the call runs, the same single Allgather wherever it
-    is made. Where the ranks disagree, no host call of the program runs a method (each
+    makes it before any method of the call runs, the same collectives wherever it is
+    made. Where the ranks disagree, no host call of the program runs a method (each
     returns zeros), and `Coordinator.agreed` goes on as if the agreement had been made
     first.
     """
@@ -285,8 +313,24 @@ class CallAgreement:
         self.every: np.ndarray | None = None
         self.missed: bool | None = None
 
+    def ranks_differ(self) -> bool:
+        """**Returns:** whether some rank holds other hashes than this one, or finds its
+        own block sizes other than `expect` (or expects none): one fixed-size
+        collective, decided alike on every rank."""
+        rank = self.comm.Get_rank()
+        own = self.mine[2:2 + self.sizes].tolist()
+        mine_fit = self.expect is not None and all(
+            sizes[rank] == size for sizes, size in zip(self.expect, own))
+        hashes = self.mine[:2]
+        summary = np.array([*hashes, *(-hashes), 0 if mine_fit else 1], np.int64)
+        extremes = np.empty_like(summary)
+        with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
+            self.comm.Allreduce(summary, extremes, op=_max())
+        return bool((extremes[:2] != -extremes[2:4]).any() or extremes[4])
+
     def gather(self) -> np.ndarray:
-        """**Returns:** every rank's `mine`, one row per rank."""
+        """**Returns:** every rank's `mine`, one row per rank (after `ranks_differ`,
+        and only where it found a difference: every rank makes both alike)."""
         every = np.empty((self.comm.Get_size(), self.mine.size), np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
             self.comm.Allgather(self.mine, every)
@@ -295,6 +339,9 @@ class CallAgreement:
     def settle(self) -> bool:
         """Make the agreement, once. **Returns:** whether the ranks disagree."""
         if self.missed is None:
+            if not self.ranks_differ():
+                self.missed = False
+                return False
             self.every = self.gather()
             self.missed = bool((self.every[:, :2] != self.mine[:2]).any()
                                or block_sizes(self.every, self.sizes) != self.expect)
@@ -324,6 +371,12 @@ def block_sizes(every: np.ndarray, sizes: int) -> tuple:
     """Per distributed input (`sizes` of them), every rank's block size, from the
     agreement's rows."""
     return tuple(map(tuple, every[:, 2:2 + sizes].T.tolist()))
+
+
+def _max() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def stable_hash(obj: object) -> int:

@@ -49,6 +49,30 @@ def row_size(block: np.ndarray) -> int:
     return int(block.shape[0] * np.prod(block.shape[2:], dtype=np.int64))
 
 
+def block_counts(comm: Any, rows: int, what: str = "rows") -> list[int]:
+    """Every rank's `rows`, the size of one of a method's blocks.
+
+    Gathered (one `allgather`) the first time a call site asks, and kept with the site
+    where it has one (`GuardedComm.site`: in a Problem's program, where the shapes of
+    every call site were agreed when it was built); gathered on every call elsewhere.
+
+    **Arguments:**
+    - `comm`: the method's communicator (declare `Allgather`).
+    - `rows`: this rank's size.
+    - `what`: which size of the method this is (a method asking for two keeps both).
+
+    **Returns:** the sizes, one per rank.
+    """
+    site = getattr(comm, "site", None)
+    key = ("counts", what, int(rows))
+    if site is not None and key in site:
+        return site[key]
+    counts = list(comm.allgather(int(rows)))
+    if site is not None:
+        site[key] = counts
+    return counts
+
+
 def gather_blocks(comm: Any, block: np.ndarray) -> np.ndarray:
     """Gather every rank's row block on every rank.
 
@@ -58,7 +82,7 @@ def gather_blocks(comm: Any, block: np.ndarray) -> np.ndarray:
 
     **Returns:** the (B, N, ...) concatenation of every rank's block, on every rank.
     """
-    counts = comm.allgather(block.shape[1])
+    counts = block_counts(comm, block.shape[1], "gathered")
     moved = rows_first(block)
     tail = int(np.prod(moved.shape[1:]))
     out = np.empty((sum(counts),) + moved.shape[1:], block.dtype)
@@ -77,7 +101,7 @@ def transpose_blocks(comm: Any, a: np.ndarray, out_counts: Sequence[int]) -> np.
     **Returns:** (B, out_counts[r], R), this rank's rows of the transpose.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    row_counts = comm.allgather(a.shape[1])
+    row_counts = block_counts(comm, a.shape[1], "transposed")
     cols = np.cumsum([0] + list(out_counts))
     batch = a.shape[0]
     send = np.concatenate([a[:, :, cols[s]:cols[s + 1]].ravel() for s in range(size)])

@@ -14,6 +14,7 @@ import numpy as np
 
 from ._blocks import (
     as_rows,
+    block_counts,
     even_counts,
     gather_blocks,
     transpose_blocks,
@@ -120,7 +121,7 @@ class Allgather(DistributedOperator):
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
         n = as_rows(x, batched).shape[1]
-        start = sum(comm.allgather(n)[:comm.Get_rank()])
+        start = sum(block_counts(comm, n)[:comm.Get_rank()])
         mine = with_batch(y_bar, batched)[:, start:start + n]
         if x.ndim == (1 if batched else 0):  # a 0-d value per rank: its one row
             mine = mine[:, 0]
@@ -238,7 +239,7 @@ class Alltoall(DistributedOperator):
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
-        x_rows = comm.allgather(x.shape[1] if batched else x.shape[0])
+        x_rows = block_counts(comm, x.shape[1] if batched else x.shape[0])
         return without_batch(transpose_blocks(comm, with_batch(y_bar, batched), x_rows),
                              batched)
 

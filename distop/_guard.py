@@ -48,16 +48,22 @@ class GuardedComm:
 
     Anything else (its rank, size, attributes) passes through. `raw` is the private
     communicator itself, for a library that needs an `MPI.Comm`: what is done through
-    it must be declared all the same.
+    it must be declared all the same. `site` is a dict the method may keep what it
+    learned at one call site in (a built-in operator's plan, say), given only where
+    every rank runs that site alike each time (in a Problem's program, whose shapes
+    were agreed); None elsewhere.
 
     **Arguments:**
     - `comm`: the private communicator.
     - `declared`: the names the method's phase declares.
     - `where`: `Operator.phase`, for messages.
+    - `site`: whether to keep a `site` dict (see above).
     """
 
-    def __init__(self, comm: Any, declared: tuple[str, ...], where: str) -> None:
+    def __init__(self, comm: Any, declared: tuple[str, ...], where: str,
+                 site: bool = False) -> None:
         self.raw = comm
+        self.site: dict | None = {} if site else None
         self._declared = tuple(declared)
         self._allowed = frozenset(name.lower() for name in declared)
         self._where = where

@@ -4,9 +4,15 @@ rows around it that other ranks own, for stencils.
 The halo of a block is the `width` global rows just before it and just after it,
 wherever they live: on the neighbouring ranks, or, where those own fewer rows (or
 none), on as many ranks further out as the rows span. So every block size works, zero
-included, and the result is always this rank's window of the global array. One
-`Alltoallv` moves every rank's rows (only the ranks that send or receive rows move
-data).
+included, and the result is always this rank's window of the global array.
+
+Each rank plans its own part of the exchange once per set of block sizes (`_Plan`):
+which ranks own its halo rows, and which ranks take rows of its block. Each call then
+sends and receives one message per such peer and no other: two neighbours where every
+block has at least `width` rows. Inside a Problem's program the block sizes of a call
+site are fixed when the program is built, and the plan is kept with the site; elsewhere
+(plain JAX code, where each rank compiles on its own) every call gathers the block sizes
+first.
 """
 
 from typing import Any
@@ -18,46 +24,45 @@ from ._blocks import batch_first, rows_first, with_batch, without_batch
 from ._operator import DistributedOperator
 
 _BOUNDARIES = ("zero", "periodic")
+_TAG = 7  # the tag of the halo's messages (one call at a time runs on a communicator)
 
 
 class _Plan:
-    """Where the halo rows of every rank come from, for one set of block sizes.
+    """This rank's part of the halo exchange, for one set of block sizes.
 
     **Arguments:**
     - `counts`: the rows of every rank's block.
     - `width`: the rows of each halo.
     - `periodic`: whether the global ends wrap around.
+    - `rank`: this rank.
 
-    Per rank q, `needed[q]` lists the 2 * width global rows of its halo (-1 for a zero
-    row past a global end) and `owners[q]` the rank owning each (-1 for none).
+    `takes` lists, per rank p owning rows of this rank's halo (ascending), the places in
+    the halo (2 * width rows: before, then after) of those rows, in p's order; `gives`
+    lists, per rank q whose halo takes rows of this block (ascending), the local indices
+    of those rows in the order q takes them. A rank's own rows in its halo (a periodic
+    wrap onto itself) are among both, and copied without a message.
     """
 
-    def __init__(self, counts: list[int], width: int, periodic: bool) -> None:
-        self.counts = counts
-        ends = np.cumsum(counts)
-        self.starts = ends - np.asarray(counts, dtype=ends.dtype)
-        total = int(ends[-1]) if len(counts) else 0
-        self.needed, self.owners = [], []
-        for start, end in zip(self.starts, ends):
-            rows = np.concatenate([np.arange(start - width, start),
-                                   np.arange(end, end + width)]).astype(np.int64)
-            if periodic and total:
-                rows %= total
-            else:  # past a global end, or nothing to wrap around: zero rows
-                rows[(rows < 0) | (rows >= total)] = -1
-            owner = np.searchsorted(ends, rows, side="right")
-            owner[rows < 0] = -1
-            self.needed.append(rows)
-            self.owners.append(owner)
-
-    def sent_to(self, dest: int, rank: int) -> np.ndarray:
-        """**Returns:** the rows of `rank`'s block (local indices) that `dest`'s halo
-        takes, in the order it takes them."""
-        return self.needed[dest][self.owners[dest] == rank] - self.starts[rank]
-
-    def taken_from(self, source: int, rank: int) -> np.ndarray:
-        """**Returns:** the places in `rank`'s halo of the rows that `source` owns."""
-        return np.flatnonzero(self.owners[rank] == source)
+    def __init__(self, counts: list[int] | tuple[int, ...], width: int, periodic: bool,
+                 rank: int) -> None:
+        counts_ = np.asarray(counts, dtype=np.int64)
+        ends = np.cumsum(counts_)
+        starts = ends - counts_
+        total = int(ends[-1]) if len(counts_) else 0
+        offsets = np.concatenate([np.arange(-width, 0), np.arange(width)])
+        # (ranks, 2 width) global rows of every rank's halo: before its start, after its end
+        rows = np.where(offsets < 0, starts[:, None], ends[:, None]) + offsets
+        if periodic and total:
+            rows %= total
+        else:  # past a global end, or nothing to wrap around: zero rows
+            rows[(rows < 0) | (rows >= total)] = -1
+        owners = np.searchsorted(ends, rows, side="right")
+        owners[rows < 0] = -1
+        mine = owners[rank]
+        self.takes = [(int(p), np.flatnonzero(mine == p))
+                      for p in np.unique(mine[mine >= 0])]
+        wanting = np.flatnonzero((owners == rank).any(axis=1))
+        self.gives = [(int(q), rows[q][owners[q] == rank] - starts[rank]) for q in wanting]
 
 
 class HaloExchange(DistributedOperator):
@@ -103,9 +108,9 @@ class HaloExchange(DistributedOperator):
 
     width: int = 1
     boundary: str = "zero"
-    forward_collectives = ("Allgather", "Alltoallv")
-    vjp_collectives = ("Allgather", "Alltoallv")
-    jvp_collectives = ("Allgather", "Alltoallv")
+    forward_collectives = ("allgather", "Isend", "Irecv")
+    vjp_collectives = ("allgather", "Isend", "Irecv")
+    jvp_collectives = ("allgather", "Isend", "Irecv")
     linear = True
     complex_step = True
     batched_forward = True
@@ -129,16 +134,23 @@ class HaloExchange(DistributedOperator):
         return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)
 
     def _plan(self, comm: Any, rows: int) -> _Plan:
-        return _Plan(comm.allgather(rows), int(self.width),
-                     self.boundary == "periodic")
+        """**Returns:** this rank's plan for blocks of `rows` rows here: kept with the
+        call site where it has one (see `GuardedComm.site`), else made from every
+        rank's block size, gathered now."""
+        site = getattr(comm, "site", None)
+        key = ("halo", rows)
+        if site is not None and key in site:
+            return site[key]
+        plan = _Plan(comm.allgather(rows), int(self.width), self.boundary == "periodic",
+                     comm.Get_rank())
+        if site is not None:
+            site[key] = plan
+        return plan
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         block = rows_first(with_batch(x, batched))  # (n, B, ...)
-        rank, size = comm.Get_rank(), comm.Get_size()
         plan = self._plan(comm, block.shape[0])
-        sends = [plan.sent_to(q, rank) for q in range(size)]
-        places = [plan.taken_from(p, rank) for p in range(size)]
-        halo = self._exchange(comm, block, sends, places, 2 * int(self.width))
+        halo = _exchange(comm, block, plan.gives, plan.takes, 2 * int(self.width))
         w = int(self.width)
         out = np.concatenate([halo[:w], block, halo[w:]])
         return without_batch(batch_first(out), batched)
@@ -146,44 +158,53 @@ class HaloExchange(DistributedOperator):
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
         window = rows_first(with_batch(y_bar, batched))  # (n + 2w, B, ...)
-        rank, size = comm.Get_rank(), comm.Get_size()
         w = int(self.width)
         n = window.shape[0] - 2 * w
         plan = self._plan(comm, n)
         halo_bar = np.concatenate([window[:w], window[w + n:]])
         # the transpose of the forward's exchange: halo places back to owners' rows
-        sends = [plan.taken_from(q, rank) for q in range(size)]
-        places = [plan.sent_to(p, rank) for p in range(size)]
         x_bar = np.array(window[w:w + n])
-        self._exchange(comm, halo_bar, sends, places, n, into=x_bar)
+        _exchange(comm, halo_bar, plan.takes, plan.gives, n, into=x_bar)
         return without_batch(batch_first(x_bar), batched)
 
     def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
         return self.forward(comm, x_dot, batched=batched)
 
-    @staticmethod
-    def _exchange(comm: Any, rows: np.ndarray, sends: list[np.ndarray],
-                  places: list[np.ndarray], length: int,
-                  into: np.ndarray | None = None) -> np.ndarray:
-        """Send rank q the `rows` indexed by `sends[q]`; put the rows received from
-        rank p at `places[p]` of an array of `length` rows: zeros elsewhere, or, given
-        `into`, added to it (a place may receive several rows).
 
-        **Returns:** that array.
-        """
-        tail = rows.shape[1:]
-        unit = int(np.prod(tail, dtype=np.int64))
-        send = np.concatenate([rows[s] for s in sends]) if sends else rows[:0]
-        recv = np.empty((sum(len(p) for p in places),) + tail, rows.dtype)
-        comm.Alltoallv([np.ascontiguousarray(send), [len(s) * unit for s in sends]],
-                       [recv, [len(p) * unit for p in places]])
-        out = np.zeros((length,) + tail, rows.dtype) if into is None else into
-        offset = 0
-        for p in places:
-            if into is None:
-                out[p] = recv[offset:offset + len(p)]
-            else:
-                np.add.at(out, p, recv[offset:offset + len(p)])
-            offset += len(p)
-        return out
+def _exchange(comm: Any, rows: np.ndarray, sends: list[tuple[int, np.ndarray]],
+              places: list[tuple[int, np.ndarray]], length: int,
+              into: np.ndarray | None = None) -> np.ndarray:
+    """Send each rank q of `sends` the `rows` its index array picks; put the rows
+    received from each rank p of `places` at its places in an array of `length` rows:
+    zeros elsewhere, or, given `into`, added to it (a place may receive several rows).
+    One message per peer; rows for this rank itself are copied.
+
+    **Returns:** that array.
+    """
+    rank = comm.Get_rank()
+    tail = rows.shape[1:]
+    out = np.zeros((length,) + tail, rows.dtype) if into is None else into
+    received = [(p, where, np.empty((len(where),) + tail, rows.dtype))
+                for p, where in places if p != rank]
+    requests = [comm.Irecv(buffer, source=p, tag=_TAG) for p, _, buffer in received]
+    outgoing = [(q, np.ascontiguousarray(rows[picks])) for q, picks in sends]
+    requests += [comm.Isend(data, dest=q, tag=_TAG) for q, data in outgoing if q != rank]
+    own = dict(outgoing).get(rank)
+    for p, where in places:
+        if p == rank and own is not None:
+            _put(out, where, own, into is not None)
+    if requests:
+        requests[0].Waitall(requests)
+    for _, where, buffer in received:
+        _put(out, where, buffer, into is not None)
+    return out
+
+
+def _put(out: np.ndarray, where: np.ndarray, rows: np.ndarray, add: bool) -> None:
+    """Write (or, where `add`, add: a place may receive several rows) `rows` at the
+    places `where` of `out`."""
+    if add:
+        np.add.at(out, where, rows)
+    else:
+        out[where] = rows

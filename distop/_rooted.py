@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._blocks import as_rows, batch_first, rows_first, with_batch, without_batch
+from ._blocks import as_rows, batch_first, block_counts, rows_first, with_batch, without_batch
 from ._collectives import Split
 from ._comm import private
 from ._operator import DistributedOperator
@@ -157,14 +157,14 @@ class Gather(DistributedOperator):
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         block = rows_first(as_rows(x, batched))  # (n, B, ...)
-        counts = comm.allgather(block.shape[0])
+        counts = block_counts(comm, block.shape[0])
         return without_batch(batch_first(_gather_rows(comm, block, counts, self.root)),
                              batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
         block = as_rows(x, batched)
-        counts = comm.allgather(block.shape[1])
+        counts = block_counts(comm, block.shape[1])
         full = rows_first(with_batch(y_bar, batched))  # (N, B, ...)
         mine = np.empty((block.shape[1],) + full.shape[1:], full.dtype)
         _scatter_rows(comm, full, counts, self.root, mine)

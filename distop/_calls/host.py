@@ -160,7 +160,7 @@ class HostCall(HostCallable):
         self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         # The method is busy while it runs, but for its waits in MPI (reusable: no state).
         self._watch = _watchdog.watchdog.busy(
-            self.where, GuardedComm(comm, self.declared, self.where))
+            self.where, GuardedComm(comm, self.declared, self.where, site=lean))
         # what the method receives: the communication it declared, no more, watched
         self.guarded = self._watch.comm
         self.checker: _checking.Checker | None = None

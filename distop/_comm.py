@@ -30,14 +30,16 @@ _finalizing = False  # MPI_Finalize has begun: it frees every communicator itsel
 
 
 class _Duplicate:
-    """A private duplicate, its checking-mode `Checker`, and the values distop keeps for
-    it (`PerCommunicator`), which go with it when it is freed."""
+    """A private duplicate, its checking-mode `Checker`, its ranks in reverse order, and
+    the values distop keeps for it (`PerCommunicator`), which go with it when it is
+    freed."""
 
-    __slots__ = ("channel", "checker", "comm", "freed", "values")
+    __slots__ = ("channel", "checker", "comm", "freed", "reversed", "values")
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.checker: Checker | None = None
+        self.reversed: Any = None  # its ranks in reverse order (see `reversed_ranks`)
         self.channel: Any = None  # the watchdog's channel among its ranks
         self.values: dict = {}
         self.freed = False
@@ -106,13 +108,32 @@ def checker(comm: Any) -> Checker:
     return made.checker
 
 
+def reversed_ranks(comm: Any) -> Any:
+    """A communicator of a private communicator's ranks in reverse order, on which a
+    prefix reduction is a suffix reduction of `comm`'s ranks.
+
+    It is made at first use (`Split`, collective: every rank reaches its first use at
+    the same collective of the same method), kept, and freed with `comm`.
+
+    **Arguments:**
+    - `comm`: a private communicator (from `private`).
+
+    **Returns:** the reversed communicator, the same one on every call.
+    """
+    with _lock:
+        made = _record(comm)
+        if made.reversed is None:
+            made.reversed = comm.Split(0, comm.Get_size() - 1 - comm.Get_rank())
+    return made.reversed
+
+
 def live_duplicates() -> int:
     """**Returns:** how many communicators distop holds for private use now: each private
-    duplicate, its watchdog channel's and its checking-mode duplicate (the runtime's own,
-    made once, is not counted)."""
+    duplicate, its watchdog channel's, its checking-mode duplicate and its reversed
+    ranks (the runtime's own, made once, is not counted)."""
     with _lock:
         return sum(1 + (d.checker is not None) + (d.channel is not None)
-                   for d in _live.values())
+                   + (d.reversed is not None) for d in _live.values())
 
 
 class PerCommunicator:
@@ -192,6 +213,8 @@ def _forget(made: _Duplicate) -> None:
     made.values.clear()
     if made.checker is not None and not _finalizing:
         made.checker.comm.Free()
+    if made.reversed is not None and not _finalizing:
+        made.reversed.Free()
     if made.channel is not None and not _finalizing:
         watchdog.detach(made.channel)
 

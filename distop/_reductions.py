@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._comm import reversed_ranks
 from ._operator import DistributedOperator
 from ._runtime import mpi
 
@@ -20,11 +21,29 @@ _OPS = ("sum", "max", "min", "prod")
 
 def _others_product(comm: Any, x: np.ndarray) -> np.ndarray:
     """**Returns:** per element, the product of every other rank's x (exact where some
-    are zero: no division)."""
-    every = np.empty((comm.Get_size(),) + x.shape, x.dtype)
-    comm.Allgather(np.ascontiguousarray(x), every)
-    rank = comm.Get_rank()
-    return np.prod(every[:rank], axis=0) * np.prod(every[rank + 1:], axis=0)
+    are zero: no division): the product of the ranks before this one (`Exscan`) times
+    that of the ranks after it (`Exscan` over the ranks in reverse order)."""
+    if comm.Get_size() == 1:
+        return np.ones_like(x)
+    x = np.ascontiguousarray(x)
+    return (_exclusive(comm, x, mpi().PROD, 1)
+            * _exclusive(_reversed(comm), x, mpi().PROD, 1))
+
+
+def _exclusive(comm: Any, x: np.ndarray, op: Any, empty: float) -> np.ndarray:
+    """**Returns:** the exclusive prefix reduction of `x` by `op` over `comm`'s ranks,
+    `empty` on its first rank (where MPI leaves it undefined)."""
+    out = np.full_like(x, empty)
+    comm.Exscan(x, out, op=op)
+    if comm.Get_rank() == 0:
+        out[...] = empty
+    return out
+
+
+def _reversed(comm: Any) -> Any:
+    """**Returns:** the operator's private communicator with its ranks reversed (see
+    `_comm.reversed_ranks`): a method's `comm` wraps the private one (`raw`)."""
+    return reversed_ranks(getattr(comm, "raw", comm))
 
 
 class Allreduce(DistributedOperator):
@@ -41,7 +60,8 @@ class Allreduce(DistributedOperator):
       without division, so exact where some values are zero.
 
     The VJP of max and min issues two Allreduces (the extreme and the rank that owns
-    it), the JVP three; prod gathers every rank's value (Allgather).
+    it), the JVP three; that of prod two exclusive prefix products (`Exscan`), over the
+    ranks and over the ranks in reverse order (a communicator made once, `Split`).
 
     **Arguments:**
     - `op`: `"sum"` (default), `"max"`, `"min"` or `"prod"`.
@@ -59,8 +79,8 @@ class Allreduce(DistributedOperator):
     linear = True  # (with op="sum" only: see `is_linear`)
     complex_step = True  # (not with max or min: see `takes_complex_step`)
     forward_collectives = ("Allreduce",)
-    vjp_collectives = ("Allreduce", "Allgather")
-    jvp_collectives = ("Allreduce", "Allgather")
+    vjp_collectives = ("Allreduce", "Exscan", "Split")
+    jvp_collectives = ("Allreduce", "Exscan", "Split")
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
@@ -125,19 +145,25 @@ class Allreduce(DistributedOperator):
 
 def _suffix_sum(comm: Any, y_bar: np.ndarray, inclusive: bool) -> np.ndarray:
     """**Returns:** the sum of `y_bar` over this rank (if `inclusive`) and every later
-    one: the reverse prefix sum, the transpose of a prefix sum."""
-    every = np.empty((comm.Get_size(),) + y_bar.shape, y_bar.dtype)
-    comm.Allgather(np.ascontiguousarray(y_bar), every)
-    first = comm.Get_rank() + (0 if inclusive else 1)
-    return np.ascontiguousarray(np.sum(every[first:], axis=0))
+    one: the reverse prefix sum, the transpose of a prefix sum. A prefix sum over the
+    ranks in reverse order: O(log P) steps and the memory of one `y_bar`."""
+    y_bar = np.ascontiguousarray(y_bar)
+    if comm.Get_size() == 1:
+        return y_bar.copy() if inclusive else np.zeros_like(y_bar)
+    reverse = _reversed(comm)
+    if not inclusive:
+        return _exclusive(reverse, y_bar, mpi().SUM, 0)
+    out = np.empty_like(y_bar)
+    reverse.Scan(y_bar, out, op=mpi().SUM)
+    return out
 
 
 class Scan(DistributedOperator):
     """The inclusive prefix sum over ranks: rank-local in and out.
 
     Rank r gets y_r = x_0 + ... + x_r.
-    Its VJP is the reverse prefix sum, x_bar_r = y_bar_r + ... + y_bar_(P-1) (an
-    Allgather of the cotangents).
+    Its VJP is the reverse prefix sum, x_bar_r = y_bar_r + ... + y_bar_(P-1) (a `Scan`
+    over the ranks in reverse order, on a communicator made once by `Split`).
     Its JVP is the prefix sum of the tangents.
 
     **Arguments:**
@@ -151,7 +177,7 @@ class Scan(DistributedOperator):
     """
 
     forward_collectives = ("Scan",)
-    vjp_collectives = ("Allgather",)
+    vjp_collectives = ("Scan", "Split")
     jvp_collectives = ("Scan",)
     linear = True
     complex_step = True
@@ -178,7 +204,8 @@ class Exscan(DistributedOperator):
 
     Rank r gets y_r = x_0 + ... + x_(r-1); rank 0 gets zeros.
     Its VJP is the exclusive reverse prefix sum, x_bar_r = y_bar_(r+1) + ... +
-    y_bar_(P-1) (an Allgather of the cotangents).
+    y_bar_(P-1) (an `Exscan` over the ranks in reverse order, on a communicator made
+    once by `Split`).
     Its JVP is the exclusive prefix sum of the tangents.
 
     **Arguments:**
@@ -192,7 +219,7 @@ class Exscan(DistributedOperator):
     """
 
     forward_collectives = ("Exscan",)
-    vjp_collectives = ("Allgather",)
+    vjp_collectives = ("Exscan", "Split")
     jvp_collectives = ("Exscan",)
     linear = True
     complex_step = True

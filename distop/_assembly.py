@@ -5,6 +5,7 @@ from typing import Any
 
 import numpy as np
 
+from ._config import settings
 from ._errors import DistopError
 from ._layout import Layout
 
@@ -113,6 +114,14 @@ def gather_rows(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
     recv = np.empty((sum(counts), cols), block.dtype)
     comm.Allgatherv(np.ascontiguousarray(block), [recv, [c * cols for c in counts]])
     return recv
+
+
+def unchecked(program: Any, return_format: str) -> bool:
+    """**Returns:** whether the totals of `program` in `return_format` are to be
+    checked by `agree`: on its first call in that format, and on every call in the
+    checking mode. What decides it is alike on every rank (programs are built and
+    called in the same order everywhere)."""
+    return return_format not in program.totals_agreed or settings.check_collectives
 
 
 def agree(comm: Any, layout: Layout, totals: Blocks, return_format: str) -> None:

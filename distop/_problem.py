@@ -15,12 +15,12 @@ import numpy as np
 from . import _assembly, _comm, _profile, _totals
 from ._arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from ._config import env_flag
-from ._coordinator import Coordinator
+from ._coordinator import Coordinator, stable_hash
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._execution import Executor
 from ._inputs import empty
 from ._layout import Layout
-from ._programs import Programs
+from ._programs import Program, Programs
 from ._schedule import ScheduleEntry
 from ._tracing import FDOptions, TotalsOptions
 
@@ -122,18 +122,23 @@ class Problem:
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)
-        (self.backend, self.copy, self._point, size), every = self._coordinator.agree(
+        self.backend, self.copy, self._point, size = self._coordinator.agree(
             "Problem: checking its arguments",
             lambda: (*check_arguments(model, inputs, backend or os.environ.get(
-                "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()),
-            share=lambda made: (2 + sum(k in self.distributed for k in made[2]),
-                                sorted(self.distributed)))
-        if any(names != every[0][1] for _, names in every):
+                "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()))
+        # the widest agreement row of every rank, and whether all name the same
+        # distributed values: one reduction of a fixed size
+        names = sorted(self.distributed)
+        named = stable_hash(names)
+        top = self._coordinator.most(np.array(
+            [2 + sum(k in self.distributed for k in self._point), named, -named], np.int64))
+        if top[1] != -top[2]:
+            every = self.comm.allgather(names)
             raise DistopError(
                 "Problem(distributed=...): the ranks named different distributed values:\n"
-                + "\n".join(f"  rank {r}: {names}" for r, (_, names) in enumerate(every))
+                + "\n".join(f"  rank {r}: {names}" for r, names in enumerate(every))
                 + "\nName the same inputs and outputs on every rank.")
-        self._coordinator.widen([w for w, _ in every])
+        self._coordinator.widen([int(top[0])])
         self.fuse = fused
         self.input_names = tuple(self._point)
         self._programs = Programs(model, self._coordinator, self.backend, self.fuse, size)
@@ -272,20 +277,23 @@ class Problem:
         replicated inputs are the same on every rank (`check_totals` reports ranks that
         differ in its own way)."""
         def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
-                               dict[str, Any] | None]:
+                               Program | None, dict[str, Any] | None]:
             layout, names, ins, way = self._totals_request(
                 "compute_totals", self._point, of, wrt, mode, return_format, direction)
             if not names or not ins:
-                return layout, names, ins, way, None
+                return layout, names, ins, way, None, None
             program = self._programs.program(
                 "compute_totals", TotalsOptions(mode, names, ins, False, way), layout)
-            return layout, names, ins, way, self._executor(program, self._point)
+            return layout, names, ins, way, program, self._executor(program, self._point)
 
-        layout, names, ins, way, cts = self._coordinator.agreed(attempt)
-        if cts is None:
+        layout, names, ins, way, program, cts = self._coordinator.agreed(attempt)
+        if program is None or cts is None:
             return {}
-        return _assembly.assembled(self.comm, layout, cts, names, ins, return_format, way,
-                                   agree)
+        totals = _assembly.assembled(self.comm, layout, cts, names, ins, return_format,
+                                     way, agree and _assembly.unchecked(program, return_format))
+        if agree:
+            program.totals_agreed.add(return_format)
+        return totals
 
     @_one_at_a_time
     def run_and_compute_totals(
@@ -312,23 +320,26 @@ class Problem:
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
                                self._point, self.copy, keywords=False)
 
-        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program,
                                dict[Any, Any]]:
             layout, names, ins, way = self._totals_request(
                 "run_and_compute_totals", point, of, wrt, mode, return_format, direction,
                 refused)
             if not names or not ins:  # nothing to differentiate: `run`'s program
-                return layout, names, ins, way, self._executor(
-                    self._programs.program("run", (), layout), point)
-            return layout, names, ins, way, self._executor(self._programs.program(
-                "compute_totals", TotalsOptions(mode, names, ins, True, way), layout), point)
+                program = self._programs.program("run", (), layout)
+            else:
+                program = self._programs.program(
+                    "compute_totals", TotalsOptions(mode, names, ins, True, way), layout)
+            return layout, names, ins, way, program, self._executor(program, point)
 
-        layout, names, ins, way, out = self._coordinator.agreed(attempt)
+        layout, names, ins, way, program, out = self._coordinator.agreed(attempt)
         if names and ins:
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
             swept = names if way == "fwd" else ins
             totals = _assembly.assembled(self.comm, layout, {k: out["total", k] for k in swept},
-                                       names, ins, return_format, way)
+                                         names, ins, return_format, way,
+                                         _assembly.unchecked(program, return_format))
+            program.totals_agreed.add(return_format)
         else:
             values, totals = out, {}
         if self.check_replicated:

@@ -6,17 +6,18 @@ import dataclasses
 import gc
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 
 from . import _checking, _comm, _ffi, _schedule, _watchdog
 from ._calls.host import HostCall
 from ._compat import x64_enabled
 from ._config import settings
-from ._coordinator import Coordinator
+from ._coordinator import Coordinator, stable_hash
 from ._errors import DistopError
 from ._layout import Layout, TracingInputs, seeds, tangent_seeds, unit_seeds
 from ._packing import pack, unpack_plan
@@ -57,6 +58,9 @@ class Program:
     calls: int | None = 0
     ahead: bool = False  # whether its first host call may make the ranks' agreement
     entry: str = ""  # its entry point: `run`, `compute_totals` ... (for profiles)
+    # the return formats in which its totals were found the same on every rank (see
+    # `_assembly.agree`): the check runs on a program's first call per format only
+    totals_agreed: set[str] = dataclasses.field(default_factory=set)
     _extra: tuple[Any, ...] | None = None
     _plan: tuple[Any, ...] | None = None
 
@@ -151,6 +155,20 @@ class Programs:
             del self.programs[found]
         self.coordinator.forget(key[0])
 
+    def _exchange(self, what: str, thunk: Callable[[], Any],
+                  share: Callable[[Any], tuple[Any, ...] | None],
+                  steps: Sequence[Any]) -> tuple[Any, list[Any] | None]:
+        """The passes' cross-rank step (see pipeline.py): `thunk()` and this rank's
+        proposals `share(thunk())` made alike on every rank (`Coordinator.agree`: raised
+        on every rank where one raised), then every rank's proposals decided by
+        reductions of a fixed size (`pipeline.decided`)."""
+        def made() -> tuple[Any, tuple[Any, ...] | None]:
+            result = thunk()
+            return result, share(result)
+
+        result, mine = self.coordinator.agree(what, made)
+        return result, pipeline.decided(steps, mine, self.coordinator.most)
+
     def _new_layout(self, point: dict[str, Any], counts: dict[str, tuple[int, ...]]) -> Layout:
         """The `Layout` of a point with new shapes (traces the model, on every rank)."""
         inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in point.items()}
@@ -164,7 +182,22 @@ class Programs:
                            if k in self.distributed and s.ndim})
             counts.update({k: (point[k].shape[0],) for k in point if k in self.distributed})
             return Layout(inputs, outputs, counts)
-        shapes = self.comm.allgather({k: (s.shape, str(s.dtype)) for k, s in outputs.items()})
+        mine = {k: (s.shape, str(s.dtype)) for k, s in outputs.items()}
+        # Every rank's shapes are gathered only where they differ otherwise than in the
+        # axis 0 of distributed outputs, to name them; else the ranks send the hash of
+        # what must agree, and the axis 0 of their distributed outputs.
+        fixed = stable_hash(sorted((k, (s[0][1:], s[1], len(s[0])) if k in self.distributed
+                                    else s) for k, s in mine.items()))
+        top = self.coordinator.most(np.array([fixed, -fixed], np.int64))
+        shared = sorted(k for k, s in outputs.items() if k in self.distributed and s.ndim)
+        if top[0] != -top[1] or len(shared) < sum(k in self.distributed for k in outputs):
+            shapes = self.comm.allgather(mine)
+        else:  # (all alike but axis 0: every rank's, of the distributed outputs)
+            heads = np.empty((self.comm.Get_size(), len(shared)), np.int64)
+            self.comm.Allgather(np.array([outputs[k].shape[0] for k in shared], np.int64),
+                                heads)
+            shapes = [{k: (((int(row[shared.index(k)]),) + mine[k][0][1:]) if k in shared
+                           else mine[k][0], mine[k][1]) for k in mine} for row in heads]
         for name, spec in outputs.items():
             seen = [s[name] for s in shapes]
             if name in self.distributed:
@@ -282,7 +315,7 @@ class Programs:
             if isinstance(options, TotalsOptions) and options.direction == "rev":
                 assert isinstance(layout, Layout)  # (only `run` is traced before its layout)
                 units = unit_seeds(options.of, layout, self.distributed, self.comm.Get_size())
-            lean = pipeline.lean_program(name, found, exchange=self.coordinator.agree,
+            lean = pipeline.lean_program(name, found, exchange=self._exchange,
                                          unit_seeds=units, fuse=self.fuse,
                                          inputs=layout.inputs, specs=specs)
             if lean is not None:

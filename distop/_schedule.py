@@ -237,10 +237,14 @@ def agree(comm: Any, name: str,
           entries: tuple[ScheduleEntry, ...]) -> tuple[ScheduleEntry, ...]:
     """Check that every rank compiled the same schedule, up to distributed axes.
 
-    One collective: the ranks exchange a fingerprint of their schedule with every
-    array's axis 0 left out, and the local sizes of axis 0. An axis 0 that differs
-    between ranks marks a distributed value and is described by its global size, so the
-    returned schedule is the same on every rank.
+    Three reductions of a size fixed by the schedule, whatever the number of ranks: the
+    largest of a fingerprint of each rank's schedule (with every array's axis 0 left
+    out) and of its negation (the same on every rank exactly when the largest is minus
+    the largest negation), then that of each array's local size of axis 0 and of its
+    negation, then the sums of those sizes. An axis 0 that differs between
+    ranks marks a distributed value and is described by its global size, so the
+    returned schedule is the same on every rank. Only where the fingerprints differ do
+    the ranks gather their schedules, to name the first differing entry.
 
     **Arguments:**
     - `comm`: the problem's communicator.
@@ -254,13 +258,22 @@ def agree(comm: Any, name: str,
     """
     if comm.Get_size() == 1:
         return entries
-    heads = [s[0] if s else -1 for e in entries for s in e.input_shapes + e.output_shapes]
-    every = comm.allgather((fingerprint(name, entries), heads))
-    if len({fp for fp, _ in every}) > 1:
+    heads = np.array([s[0] if s else -1 for e in entries
+                      for s in e.input_shapes + e.output_shapes], np.int64)
+    # (a rank whose schedule has another length holds another fingerprint: the sizes
+    # are compared only once the fingerprints are known to agree, in buffers of one size)
+    summary = np.array([fingerprint(name, entries), heads.size], np.int64)
+    extremes = np.empty(4, np.int64)
+    comm.Allreduce(np.concatenate([summary, -summary]), extremes, op=_op("MAX"))
+    if (extremes[:2] != -extremes[2:]).any():
         _mismatch(comm, name, entries)
-    sizes = np.array([h for _, h in every])  # (ranks, arrays)
-    distributed = (sizes != sizes[0]).any(axis=0).tolist()
-    totals = sizes.sum(axis=0).tolist()
+    extremes = np.empty(2 * heads.size, np.int64)
+    comm.Allreduce(np.concatenate([heads, -heads]), extremes, op=_op("MAX"))
+    high, low = extremes[:heads.size], -extremes[heads.size:]
+    distributed = (high != low).tolist()
+    totals = np.empty_like(heads)
+    comm.Allreduce(heads, totals, op=_op("SUM"))
+    totals = totals.tolist()
     out, k = [], 0
     for e in entries:
         shapes, flags = [], []
@@ -273,6 +286,12 @@ def agree(comm: Any, name: str,
             e, input_shapes=tuple(shapes[:n]), output_shapes=tuple(shapes[n:]),
             input_distributed=tuple(flags[:n]), output_distributed=tuple(flags[n:])))
     return tuple(out)
+
+
+def _op(name: str) -> Any:
+    from mpi4py import MPI
+
+    return getattr(MPI, name)
 
 
 def _tails(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[Any, ...], ...]:

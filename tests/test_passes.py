@@ -191,11 +191,11 @@ class Ranks:
     def __init__(self, others=lambda what, share: []):
         self.others, self.seen = others, []
 
-    def __call__(self, what, thunk, share):
+    def __call__(self, what, thunk, share, steps):
         result = thunk()
         mine = share(result)
         self.seen.append(what.split(": ", 1)[1])
-        return result, [mine, *self.others(what, mine)]
+        return result, pipeline.merged(steps, [mine, *self.others(what, mine)])
 
 
 def lean_totals(exchange, *, fuse=True):
@@ -265,3 +265,36 @@ def test_the_driver_takes_the_lean_path_on_every_rank_or_none():
     assert pipeline.lean_program("t", None, exchange=exchange, unit_seeds=(), fuse=True,
                                  inputs={}, specs=()) is None
     assert exchange.seen == ["agreeing on the lean path"]
+
+
+def _proposals(step, rng):
+    """**Returns:** a random proposal of a shared pass, of the shapes its analysis gives."""
+    if isinstance(step, rows.KnownRows):
+        spans = {}
+        for position in rng.choice(6, size=rng.integers(0, 5), replace=False):
+            start = int(rng.integers(0, 4))
+            spans[int(position)] = (start, start + int(rng.integers(0, 3)))
+        return spans
+    if isinstance(step, unused.DropUnused):
+        return tuple(sorted(int(p) for p in rng.choice(6, size=rng.integers(0, 5),
+                                                     replace=False)))
+    if isinstance(step, fuse.Fuse):
+        return None if rng.random() < 0.2 else tuple(
+            bool(b) for b in rng.integers(0, 2, size=int(rng.integers(3, 5))))
+    return tuple(tuple(sorted(int(m) for m in rng.choice(5, size=rng.integers(0, 4),
+                                                        replace=False)))
+                 for _ in range(int(rng.integers(1, 3))))
+
+
+@pytest.mark.parametrize("step", [rows.KnownRows(), unused.DropUnused(), fuse.Fuse(),
+                                  fuse.AgreeRows()], ids=lambda s: type(s).__name__)
+def test_proposals_decided_by_reductions_merge_as_the_proposals_themselves(step):
+    # what the ranks decide from the largest of their encodings (a fixed size, whatever
+    # their number) is what `merge` decides from every rank's proposal
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        every = [(_proposals(step, rng),) for _ in range(int(rng.integers(1, 5)))]
+        assert pipeline.merged([step], every) == [step.merge([p for (p,) in every])], every
+    # a rank without proposals, or with proposals of fewer passes: no decisions
+    assert pipeline.merged([step], [(_proposals(step, rng),), None]) is None
+    assert pipeline.merged([step], [(_proposals(step, rng),), ()]) is None

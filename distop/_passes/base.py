@@ -5,6 +5,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar, Generic, TypeVar
 
+import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 Proposal = TypeVar("Proposal")
@@ -40,6 +41,13 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
     3. `apply(program, decision)`: the program rewritten as decided: a new
        `ClosedJaxpr`, or `program` itself where nothing changes.
 
+    A shared pass also says how its proposals cross ranks in reductions of a size that
+    does not grow with the number of ranks (see pipeline.py's `decided`):
+    `sizes(proposal)` (`dimensions` numbers: how much its encoding needs; the ranks
+    take the largest of each), `encode(proposal, sizes)` (int64 numbers), and
+    `decode(largest, sizes)`, which gives from the elementwise largest of every
+    rank's encoding what `merge` gives from every rank's proposal.
+
     Attributes:
     - `shared`: whether the proposals cross ranks. The driver (pipeline.py) sends them
       in its exchanges; a pass that is not shared is merged on this rank's proposal
@@ -53,6 +61,7 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
 
     shared: ClassVar[bool] = False
     ahead: ClassVar[bool] = False
+    dimensions: ClassVar[int] = 0  # how many numbers `sizes` gives (a shared pass)
 
     @abc.abstractmethod
     def analyse(self, program: ClosedJaxpr, context: Context) -> Proposal:
@@ -70,10 +79,29 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
         """Whether every rank proposed what `decision` decides (an `ahead` pass)."""
         return True
 
+    def sizes(self, proposal: Proposal) -> tuple[int, ...]:
+        """**Returns:** the sizes `encode` needs for this rank's proposal (a shared
+        pass)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a shared pass.")
+
+    def encode(self, proposal: Proposal, sizes: tuple[int, ...]) -> np.ndarray:
+        """**Returns:** `proposal` as int64 numbers, for `sizes` (every rank's largest):
+        as many on every rank (a shared pass)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a shared pass.")
+
+    def decode(self, largest: np.ndarray, sizes: tuple[int, ...]) -> Decision:
+        """**Returns:** the decision, from the elementwise largest of every rank's
+        `encode` (a shared pass)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a shared pass.")
+
     def again(self, context: Context, decision: Decision) -> Context:
         """**Returns:** the context to analyse an `ahead` pass again in, where the ranks
         did not agree on `decision`."""
         raise NotImplementedError(f"{type(self).__name__} is not an `ahead` pass.")
+
+
+# Below every number an encoding holds: the largest over ranks where none holds one.
+NONE = np.iinfo(np.int64).min
 
 
 class LocalPass(Pass[Proposal, Proposal]):

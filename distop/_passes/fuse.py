@@ -12,6 +12,7 @@ the original order wherever it can), and the result is again one chain.
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
 from jax.extend.core import (
     ClosedJaxpr,
     Jaxpr,
@@ -54,6 +55,28 @@ class Fuse(Pass[Joins | None, Joins | None]):
             return None
         return tuple(map(all, zip(*every)))
 
+    dimensions = 1
+
+    def sizes(self, proposal: Joins | None) -> tuple[int, ...]:
+        """**Returns:** the length of the chain (0 without fusion)."""
+        return (0 if proposal is None else len(proposal),)
+
+    def encode(self, proposal: Joins | None, sizes: tuple[int, ...]) -> np.ndarray:
+        """**Returns:** whether this rank does not fuse, its chain's length and minus
+        it, then per call whether it cannot join it."""
+        if proposal is None:
+            return np.concatenate([[1, 0, 0], np.ones(sizes[0], np.int64)])
+        apart = np.ones(sizes[0], np.int64)
+        apart[:len(proposal)] = np.logical_not(proposal)
+        return np.concatenate([[0, len(proposal), -len(proposal)], apart])
+
+    def decode(self, largest: np.ndarray, sizes: tuple[int, ...]) -> Joins | None:
+        """**Returns:** per call, whether every rank can join it; None if a rank does not
+        fuse or the ranks' chains differ in length."""
+        if largest[0] or largest[1] != -largest[2]:
+            return None
+        return tuple(bool(a == 0) for a in largest[3:3 + largest[1]])
+
     def apply(self, program: ClosedJaxpr, decision: Joins | None) -> ClosedJaxpr:
         """**Returns:** `program` with the decided runs fused, or `program` itself."""
         if decision is None:
@@ -88,6 +111,30 @@ class AgreeRows(Pass[Agreeing, Agreeing | None]):
             return None
         return tuple(tuple(sorted(set.intersection(*(set(p[i]) for p in proposals))))
                      for i in range(len(proposals[0])))
+
+    dimensions = 2
+
+    def sizes(self, proposal: Agreeing) -> tuple[int, ...]:
+        """**Returns:** the number of fused calls, and one more than the last member
+        proposed."""
+        return (len(proposal), max((max(m, default=-1) for m in proposal), default=-1) + 1)
+
+    def encode(self, proposal: Agreeing, sizes: tuple[int, ...]) -> np.ndarray:
+        """**Returns:** the number of fused calls and minus it, then per fused call and
+        member whether this rank did not propose it."""
+        calls, members = sizes
+        left_out = np.ones((calls, members), np.int64)
+        for i, agreeing in enumerate(proposal):
+            left_out[i, list(agreeing)] = 0
+        return np.concatenate([[len(proposal), -len(proposal)], left_out.ravel()])
+
+    def decode(self, largest: np.ndarray, sizes: tuple[int, ...]) -> Agreeing | None:
+        """**Returns:** per fused call, the members every rank proposed; None if the
+        ranks found different numbers of fused calls."""
+        if largest[0] != -largest[1]:
+            return None
+        left_out = largest[2:].reshape(sizes)
+        return tuple(tuple(int(m) for m in np.flatnonzero(row == 0)) for row in left_out)
 
     def apply(self, program: ClosedJaxpr, decision: Agreeing | None) -> ClosedJaxpr:
         """**Returns:** `program`, its fused calls set to agree on the decided members."""

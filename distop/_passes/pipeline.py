@@ -11,10 +11,14 @@ none. `SETTLE` lists the passes analysed on the rewritten program; their proposa
 travel in the rewrite's own exchange. The final stage follows: loops (loops.py),
 segments (segments.py), and the compiled function.
 
-**The exchanges.** Every cross-rank step goes through `exchange(what, thunk, share)`,
-as `Coordinator.agree` makes it: one collective, which runs `thunk()` on every rank, raises
-on every rank if it raised on any, and returns (its result, every rank's
-`share(result)`). `lean_program` makes these, on every rank alike:
+**The exchanges.** Every cross-rank step goes through `exchange(what, thunk, share,
+steps)`, as `Coordinator.agree` makes it: it runs `thunk()` on every rank and raises on
+every rank if it raised on any; then every rank's proposals of the shared `steps`,
+`share(result)` (None where a rank has none), are merged by `decided`: in two
+reductions whose size does not grow with the number of ranks (the sizes the proposals
+need, then the proposals encoded), an elementwise maximum over the ranks. It returns
+(the result, the decisions), the decisions None on every rank where some rank had no
+proposals. `lean_program` makes these, on every rank alike:
 1. "agreeing on the lean path": every rank's shared proposals, or None where its
    program is not one chain. The program takes the lean path on every rank or on none.
 2. "agreeing on the calls to drop", once per round, and no round where the first
@@ -32,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from .. import _ffi
@@ -48,10 +53,100 @@ Shared = TypeVar("Shared")
 
 
 class Exchange(Protocol):
-    """`exchange(what, thunk, share) -> (thunk(), every rank's share(thunk()))`."""
+    """`exchange(what, thunk, share, steps) -> (thunk(), the decisions of steps)`: see
+    the module docstring."""
 
     def __call__(self, what: str, thunk: Callable[[], Result],
-                 share: Callable[[Result], Shared]) -> tuple[Result, list[Shared]]: ...
+                 share: Callable[[Result], tuple[Any, ...] | None],
+                 steps: Sequence[Pass[Any, Any]]) -> tuple[Result, list[Any] | None]: ...
+
+
+Most = Callable[[np.ndarray], np.ndarray]  # an int64 vector -> its elementwise max over ranks
+
+
+def decided(steps: Sequence[Pass[Any, Any]], proposals: tuple[Any, ...] | None,
+            most: Most) -> list[Any] | None:
+    """The decisions of the shared `steps` from every rank's proposals.
+
+    Two reductions of `most`, the same on every rank: the sizes every rank's proposals
+    need (and whether some rank has none), then every rank's proposals encoded for the
+    largest sizes (see `base.Pass`). What the ranks send does not grow with their
+    number.
+
+    **Arguments:**
+    - `steps`: the shared passes.
+    - `proposals`: this rank's proposals of the first of them (the same number on
+      every rank, else no decisions), or None where it has none.
+    - `most`: the elementwise maximum of an int64 vector over the ranks.
+
+    **Returns:** the decision of each step proposed, as `merge` of every rank's
+    proposals would give it; None on every rank where some rank has no proposals, or
+    the ranks have proposals of different numbers of steps.
+    """
+    top = most(_header(steps, proposals))
+    if top[0] or top[1] != -top[2]:
+        return None
+    assert proposals is not None  # (no rank lacks them, this one included)
+    steps = steps[:len(proposals)]
+    sizes = _sizes(steps, top)
+    parts = _encoded(steps, proposals, sizes)
+    return _decisions(steps, most(_joined(parts)), sizes, [p.size for p in parts])
+
+
+def merged(steps: Sequence[Pass[Any, Any]],
+           every: Sequence[tuple[Any, ...] | None]) -> list[Any] | None:
+    """**Returns:** what `decided` gives every rank whose proposals are `every` (one
+    entry per rank): the ranks' exchange, simulated in one process."""
+    top = np.max([_header(steps, proposals) for proposals in every], axis=0)
+    if top[0] or top[1] != -top[2]:
+        return None
+    steps = steps[:int(top[1])]
+    sizes = _sizes(steps, top)
+    encoded = [_encoded(steps, proposals, sizes) for proposals in every
+               if proposals is not None]  # (none is: the header says so)
+    largest = np.max([_joined(parts) for parts in encoded], axis=0)
+    return _decisions(steps, largest, sizes, [p.size for p in encoded[0]])
+
+
+def _header(steps: Sequence[Pass[Any, Any]], proposals: tuple[Any, ...] | None) -> np.ndarray:
+    """**Returns:** whether this rank has no proposals; how many it has (of the first
+    of `steps`) and minus that; then the sizes each needs (zeros for the rest)."""
+    if proposals is None:
+        return np.array([1, 0, 0] + [0] * sum(step.dimensions for step in steps), np.int64)
+    sizes = [n for step, p in zip(steps, proposals) for n in step.sizes(p)]
+    rest = sum(step.dimensions for step in steps[len(proposals):])
+    return np.array([0, len(proposals), -len(proposals), *sizes, *[0] * rest], np.int64)
+
+
+def _sizes(steps: Sequence[Pass[Any, Any]], top: np.ndarray) -> list[tuple[int, ...]]:
+    """**Returns:** per step, its sizes from the largest header over the ranks."""
+    sizes, k = [], 3
+    for step in steps:
+        sizes.append(tuple(int(n) for n in top[k:k + step.dimensions]))
+        k += step.dimensions
+    return sizes
+
+
+def _encoded(steps: Sequence[Pass[Any, Any]], proposals: tuple[Any, ...],
+             sizes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """**Returns:** this rank's proposal of each step, encoded for its sizes."""
+    return [np.asarray(step.encode(p, n), np.int64)
+            for step, p, n in zip(steps, proposals, sizes)]
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _decisions(steps: Sequence[Pass[Any, Any]], largest: np.ndarray,
+               sizes: list[tuple[int, ...]], widths: list[int]) -> list[Any]:
+    """**Returns:** each step's decision from its part (`widths`) of the largest
+    encoding over the ranks."""
+    decisions, k = [], 0
+    for step, n, width in zip(steps, sizes, widths):
+        decisions.append(step.decode(largest[k:k + width], n))
+        k += width
+    return decisions
 
 
 Outputs = dict[str, tuple[tuple[int, ...], Any]]  # name -> (shape, dtype)
@@ -114,30 +209,31 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
     # as traced: the passes read the chain's calls at the top level only.
     inside = found is not None and nested.nested(found[2].jaxpr)
     passes, settle = ((), ()) if inside else (PASSES, SETTLE)
-    given, offered = exchange(
+    # (the shared passes of every rank's `PASSES`: proposals of as many of them on
+    # every rank, or no lean path, so that the ranks agree on `inside`)
+    given, agreed = exchange(
         f"{name}: agreeing on the lean path",
         lambda: None if found is None or context is None else propose(found[2], context,
                                                                       passes),
-        lambda proposed: None if proposed is None else proposed.proposals)
-    every = [proposals for proposals in offered if proposals is not None]
-    # (proposals of as many passes on every rank: the ranks agree on `inside`)
-    if len(every) < len(offered) or len({len(p) for p in every}) > 1:
+        lambda proposed: None if proposed is None else proposed.proposals,
+        [step for step in PASSES if step.shared])
+    if agreed is None:
         return None
     # every rank proposed, this one too: its program is one chain
     assert found is not None and context is not None and given is not None
     mine = given
     shared = [step for step in passes if step.shared]
-    decisions = [step.merge([p[j] for p in every]) for j, step in enumerate(shared)]
+    decisions = list(agreed)
     ahead = next((j for j, step in enumerate(shared) if step.ahead), None)
     while ahead is not None and not shared[ahead].agreed(decisions[ahead]):
         context = shared[ahead].again(context, decisions[ahead])
         rest = passes[passes.index(shared[ahead]):]
         assert mine.analysed is not None  # set by the `ahead` pass, which `propose` ran
-        mine, every = exchange(f"{name}: agreeing on the calls to drop",
+        mine, again = exchange(f"{name}: agreeing on the calls to drop",
                                functools.partial(propose, mine.analysed, context, rest),
-                               lambda proposed: proposed.proposals)
-        decisions[ahead:] = [step.merge([p[j] for p in every])
-                             for j, step in enumerate(shared[ahead:])]
+                               lambda proposed: proposed.proposals, shared[ahead:])
+        assert again is not None  # (every rank proposed, as many as before)
+        decisions[ahead:] = again
 
     def rewrite() -> LeanProgram:
         program = mine.program
@@ -148,11 +244,12 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
             raise DistopError("the rewritten program is not one chain")
         return compiled(LeanProgram(*found), program, inputs, specs)
 
-    lean, every = exchange(f"{name}: rewriting the program", rewrite,
-                           lambda made: tuple(step.analyse(made.closed, context)
-                                              for step in settle))
-    for j, step in enumerate(settle):
-        step.apply(lean.closed, step.merge([p[j] for p in every]))
+    lean, settled = exchange(f"{name}: rewriting the program", rewrite,
+                             lambda made: tuple(step.analyse(made.closed, context)
+                                                for step in settle), settle)
+    assert settled is not None  # (every rank made the program and analysed it)
+    for step, decision in zip(settle, settled):
+        step.apply(lean.closed, decision)
     return lean
 
 

@@ -15,7 +15,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn
 
 from .._compat import ShapedArray
-from .base import Context, Pass
+from .base import NONE, Context, Pass
 from .jaxprs import is_lean, shaped, variables
 
 Spans = dict[int, tuple[int, int]]  # derivative position -> (start, stop) of its rows
@@ -44,6 +44,30 @@ class KnownRows(Pass[Spans, Spans]):
             spans[position] = ((min(a for a, _ in some), max(b for _, b in some)) if some
                                else (0, 0))
         return spans
+
+    dimensions = 1
+
+    def sizes(self, proposal: Spans) -> tuple[int, ...]:
+        """**Returns:** one more than the last position found (0 for none)."""
+        return (max(proposal, default=-1) + 1,)
+
+    def encode(self, proposal: Spans, sizes: tuple[int, ...]) -> np.ndarray:
+        """**Returns:** per position: whether this rank did not find it, minus the start
+        of its span and its stop (`NONE` where it has no rows)."""
+        every = np.full((sizes[0], 3), NONE, np.int64)
+        every[:, 0] = 1
+        for position, (start, stop) in proposal.items():
+            every[position, 0] = 0
+            if start < stop:
+                every[position, 1:] = (-start, stop)
+        return every.ravel()
+
+    def decode(self, largest: np.ndarray, sizes: tuple[int, ...]) -> Spans:
+        """**Returns:** the union of the ranks' rows, for the calls every rank found."""
+        every = largest.reshape(sizes[0], 3)
+        return {int(p): ((0, 0) if every[p, 1] == NONE
+                         else (int(-every[p, 1]), int(every[p, 2])))
+                for p in np.flatnonzero(every[:, 0] == 0)}
 
     def apply(self, program: ClosedJaxpr, decision: Spans) -> ClosedJaxpr:
         """**Returns:** `narrow(program, decision)`, or `program` if nothing narrows."""

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from .base import Context, Pass
@@ -51,6 +52,26 @@ class DropUnused(Pass[tuple[int, ...], Drops]):
         """**Returns:** the calls every rank proposed, and whether all proposed the same."""
         common = set.intersection(*(set(p) for p in proposals))
         return Drops(tuple(sorted(common)), len(set(proposals)) == 1)
+
+    dimensions = 1
+
+    def sizes(self, proposal: tuple[int, ...]) -> tuple[int, ...]:
+        """**Returns:** one more than the last position proposed (0 for none)."""
+        return (max(proposal, default=-1) + 1,)
+
+    def encode(self, proposal: tuple[int, ...], sizes: tuple[int, ...]) -> np.ndarray:
+        """**Returns:** per position, whether this rank did not propose it, then
+        whether it did."""
+        proposed = np.zeros(sizes[0], np.int64)
+        proposed[list(proposal)] = 1
+        return np.concatenate([1 - proposed, proposed])
+
+    def decode(self, largest: np.ndarray, sizes: tuple[int, ...]) -> Drops:
+        """**Returns:** the positions no rank left out; agreed where no position was
+        proposed by some ranks and left out by others."""
+        left_out, proposed = largest[:sizes[0]], largest[sizes[0]:]
+        common = tuple(int(p) for p in np.flatnonzero(left_out == 0))
+        return Drops(common, not bool(((left_out == 1) & (proposed == 1)).any()))
 
     def apply(self, program: ClosedJaxpr, decision: Drops) -> ClosedJaxpr:
         """**Returns:** `program` without the decided calls (`drop_calls`)."""

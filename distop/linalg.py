@@ -73,6 +73,7 @@ class _Solve:
         self.n, self.dtype = 0, np.dtype(np.float64)
         self.b_norm = self.tolerance = 0.0
         self.rtol = self.atol = 0.0
+        self.nonfinite: str | None = None  # which of b and x0 hold a NaN or infinity
         self.maxiter = 0
 
     # -- sums over the ranks -----------------------------------------------------------
@@ -203,8 +204,15 @@ class _Solve:
             block = np.array(block, dtype=self.dtype)
         except (TypeError, ValueError) as err:
             failure, block, start = err, np.zeros(0), None
-        bb, n = self.sum([self.dot(block, block), block.shape[0]], failure)
-        self.b_norm = math.sqrt(bb)
+        # the count of non-finite entries, summed with the rest: every rank learns alike
+        bad_x0 = 0 if start is None else int(np.count_nonzero(~np.isfinite(start)))
+        bb, n, bad_b, bad_x0 = self.sum(
+            [self.dot(block, block), block.shape[0],
+             np.count_nonzero(~np.isfinite(block)), bad_x0], failure)
+        inputs = [name for name, bad in (("b", bad_b), ("x0", bad_x0)) if bad]
+        if inputs:
+            self.nonfinite = " and ".join(inputs)
+        self.b_norm = math.sqrt(bb) if bb >= 0 else math.nan
         self.tolerance = max(self.rtol * self.b_norm, self.atol)
         self.maxiter = 10 * int(n) if maxiter is None else int(maxiter)
         return block, start
@@ -217,6 +225,23 @@ class _Solve:
         r = b - ax
         (rr,) = self.sum([self.dot(r, r)], failure or failure_ax)
         return r, math.sqrt(rr) if rr >= 0 else math.nan
+
+    def refuse_nonfinite(self, b: np.ndarray, x0: np.ndarray | None,
+                         raise_on_failure: bool) -> SolveResult | None:
+        """The verdict where b or x0 holds a NaN or infinity on some rank, else None.
+
+        **Returns:** an unconverged result, with no iteration made, where
+        `raise_on_failure` is False.
+
+        **Raises:** `ConvergenceError` on every rank alike otherwise.
+        """
+        if self.nonfinite is None:
+            return None
+        x = np.zeros_like(b) if x0 is None else x0
+        norm = self.b_norm if not math.isfinite(self.b_norm) else math.inf
+        why = (f"{self.nonfinite} hold(s) a NaN or infinity (on some rank), so no "
+               "iterate can meet a tolerance")
+        return self.end(x, 0, norm, why, f"pass finite {self.nonfinite}", raise_on_failure)
 
     def initial(self, b: np.ndarray, x0: np.ndarray | None,
                 ) -> tuple[np.ndarray, np.ndarray, float]:
@@ -248,7 +273,9 @@ class _Solve:
         **Raises:** `ConvergenceError` where the residual misses the tolerance and
         `raise_on_failure`.
         """
-        converged = residual_norm <= self.tolerance  # (False for NaN)
+        # (a non-finite tolerance, from ||b|| = inf, would pass inf <= inf)
+        converged = (self.nonfinite is None and math.isfinite(residual_norm)
+                     and math.isfinite(self.tolerance) and residual_norm <= self.tolerance)
         result = SolveResult(x, iterations, float(residual_norm), bool(converged))
         if converged or not raise_on_failure:
             return result
@@ -300,7 +327,8 @@ def cg(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None, *,
 
     **Raises:** `ConvergenceError` on every rank where the tolerance is not met within
     `maxiter` iterations, or at a breakdown (p^T A p <= 0: A not positive definite;
-    r^T M^-1 r <= 0: M not positive definite; NaN). `ValueError` or `TypeError` for a
+    r^T M^-1 r <= 0: M not positive definite; a NaN or infinity), and at once where b
+    or x0 holds a NaN or infinity on any rank. `ValueError` or `TypeError` for a
     wrong block (b not 1-D, x0 shaped unlike b, matvec or precondition returning
     another shape) on its rank, and a `DistopError` naming that rank on the others.
 
@@ -319,6 +347,9 @@ def cg(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None, *,
     fix = ("check that the operator (and the preconditioner) is symmetric positive "
            "definite, and for an adjoint solve that matvec applies the transpose; use "
            "gmres for a non-symmetric or indefinite operator")
+    refused = solve.refuse_nonfinite(b, x0, raise_on_failure)
+    if refused is not None:
+        return refused
     if solve.b_norm == 0.0:
         return SolveResult(np.zeros_like(b), 0, 0.0, True)
     x, r, r_norm = solve.initial(b, x0)
@@ -404,7 +435,8 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
 
     **Raises:** `ConvergenceError` on every rank where the tolerance is not met within
     `maxiter` iterations, where a whole cycle leaves the residual no smaller, or at a
-    NaN. `ValueError` or `TypeError` for a wrong block, as in `cg`.
+    NaN or infinity (at once where b or x0 holds one on any rank). `ValueError` or
+    `TypeError` for a wrong block, as in `cg`.
     """
     if not (isinstance(restart, numbers.Integral) and restart >= 1):
         raise ValueError(f"{name}(restart={restart!r}): expected an int >= 1, the same on "
@@ -413,6 +445,9 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
     b, x0 = solve.start(b, x0, rtol, atol, maxiter)
     fix = ("check the operator (for an adjoint solve, that matvec applies the transpose), "
            "or raise restart")
+    refused = solve.refuse_nonfinite(b, x0, raise_on_failure)
+    if refused is not None:
+        return refused
     if solve.b_norm == 0.0:
         return SolveResult(np.zeros_like(b), 0, 0.0, True)
     x, r, r_norm = solve.initial(b, x0)

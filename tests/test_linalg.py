@@ -238,3 +238,25 @@ def test_functions_get_read_only_blocks_and_may_return_them(solver):
     result = solver(None, matvec, np.arange(1.0, 5.0), precondition=lambda r: r)
     assert result.converged and seen and not any(seen)
     np.testing.assert_allclose(result.x, np.arange(1.0, 5.0))
+
+
+@pytest.mark.parametrize("solver", [cg, gmres])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", ["b", "x0"])
+def test_a_non_finite_b_or_x0_is_never_converged(solver, bad, where):
+    b, x0 = np.array([1.0, 2.0]), np.zeros(2)
+    (b if where == "b" else x0)[1] = bad
+    with pytest.raises(ConvergenceError, match=f"{where} hold.* a NaN or infinity") as info:
+        solver(None, lambda v: v, b, x0)
+    assert not info.value.result.converged
+    result = solver(None, lambda v: v, b, x0, raise_on_failure=False)
+    assert not result.converged and not np.isfinite(result.residual_norm)
+    assert result.iterations == 0
+
+
+@pytest.mark.parametrize("solver", [cg, gmres])
+def test_a_non_finite_residual_is_never_converged(solver):
+    # the operator overflows: the residual is infinite, whatever the tolerance
+    result = solver(None, lambda v: v * np.inf, np.array([1.0, 2.0]), np.ones(2),
+                    atol=1e300, raise_on_failure=False)
+    assert not result.converged and not np.isfinite(result.residual_norm)

@@ -415,7 +415,9 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
     of at most `restart + 1` scalars; the basis takes `restart + 1` vectors of this
     rank's block. The preconditioner is applied on the right, so the norm the
     iterations minimize, and the stopping rule ||b - A x|| <= max(rtol * ||b||, atol),
-    is that of the true residual; it is checked on b - A x itself after each cycle.
+    is that of the true residual; it is checked on b - A x itself after each cycle. A
+    cycle's update is taken only where it makes that residual smaller, so the result is
+    never worse than the best iterate, `x0` included.
 
     **Arguments:**
     - `comm`: the mpi4py communicator, or None for one process (as in `cg`).
@@ -464,25 +466,34 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
         iterations += step.count
         if why is not None:
             break
-        update, failure = solve.prepare(step.coefficients @ basis[:step.count])
-        x += update
-        previous = r_norm
-        r, r_norm = solve.residual(b, x, failure)
-        if r_norm > solve.tolerance and r_norm >= previous:
-            why = (f"stagnation at iteration {iterations}: a whole cycle of at most "
-                   f"{restart} iterations left the residual no smaller ({previous:.3e} "
-                   "before it), so the next would too; the operator may be singular or "
-                   "too indefinite for this restart")
+        stagnation = (f"stagnation at iteration {iterations}: a whole cycle of at most "
+                      f"{restart} iterations left the residual no smaller ({r_norm:.3e} "
+                      "before it), so the next would too; the operator may be singular or "
+                      "too indefinite for this restart")
+        if not step.estimate < r_norm:  # (checked before the update: it is not taken)
+            why = stagnation
             break
+        used = step.coefficients.shape[0]
+        update, failure = solve.prepare(step.coefficients @ basis[:used])
+        candidate = x + update
+        r_next, r_next_norm = solve.residual(b, candidate, failure)
+        if not (r_next_norm <= solve.tolerance or r_next_norm < r_norm):
+            # rounding made the true residual worse: keep the best iterate, x
+            why = stagnation
+            break
+        x, r, r_norm = candidate, r_next, r_next_norm
     return solve.end(x, iterations, r_norm, why, fix, raise_on_failure)
 
 
 @dataclasses.dataclass
 class _Step:
-    """One GMRES cycle: its iterations and the coefficients of its basis vectors."""
+    """One GMRES cycle: its iterations, the coefficients of its first basis vectors
+    (fewer than `count` where the triangle is singular to working precision), and the
+    residual norm they reach by the cycle's own estimate."""
 
     count: int
     coefficients: np.ndarray
+    estimate: float = math.inf
 
 
 def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
@@ -506,7 +517,7 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
     g = [r_norm]  # the right-hand side of the small least-squares problem, rotated
     columns: list[list[float]] = []  # the rotated Hessenberg matrix, by columns
     rotations: list[tuple[float, float]] = []
-    count = 0
+    count, scale = 0, 0.0  # scale: the largest column norm of the Hessenberg matrix
     for j in range(min(restart, solve.maxiter - iterations)):
         z, failure = solve.prepare(basis[j])
         w, failure_w = solve.apply(z)
@@ -525,6 +536,7 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         h_next = math.sqrt(left) if left > 0.0 else 0.0 if left == 0.0 else math.nan
         if not (math.isfinite(h_next) and math.isfinite(ww) and all(map(math.isfinite, column))):
             return _Step(0, np.zeros(0)), _NAN_WHY.format(iterations + count)
+        scale = max(scale, math.sqrt(sum(v * v for v in column) + h_next * h_next))
         for i, (c, s) in enumerate(rotations):
             column[i], column[i + 1] = c * column[i] + s * column[i + 1], \
                 -s * column[i] + c * column[i + 1]
@@ -538,13 +550,23 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         count += 1
         # the Krylov space holds A's image of itself, to rounding: the cycle is exact
         invariant = h_next <= 4.0 * eps * math.sqrt(max(ww, 0.0))
-        if invariant or abs(g[j + 1]) <= solve.tolerance or j + 1 == restart:
+        singular = d <= 4.0 * eps * scale  # (the back substitution stops before it)
+        if invariant or singular or abs(g[j + 1]) <= solve.tolerance or j + 1 == restart:
             break
         basis[j + 1] = w / h_next
-    # back substitution on the triangle (a zero pivot, from a singular A, adds nothing)
-    y = [0.0] * count
-    for i in reversed(range(count)):
-        pivot = columns[i][i]
-        rest = sum(columns[k][i] * y[k] for k in range(i + 1, count))
-        y[i] = (g[i] - rest) / pivot if pivot != 0.0 else 0.0
-    return _Step(count, np.array(y, dtype=basis.dtype)), None
+    # A pivot tiny beside the columns (A M singular to working precision) would give
+    # huge coefficients that cancel only in exact arithmetic: keep the columns before
+    # the first one. Their triangle and rotated right-hand side are final, and the
+    # least-squares residual over them is the norm of the rest of g.
+    used = next((i for i in range(count) if abs(columns[i][i]) <= 4.0 * eps * scale), count)
+    if used == 0:
+        return _Step(count, np.zeros(0)), (
+            f"breakdown at iteration {iterations + count}: the preconditioned operator "
+            "maps the residual to (nearly) zero, so it is singular to working precision "
+            "(check the preconditioner too)")
+    y = [0.0] * used
+    for i in reversed(range(used)):
+        rest = sum(columns[k][i] * y[k] for k in range(i + 1, used))
+        y[i] = (g[i] - rest) / columns[i][i]
+    estimate = math.sqrt(sum(v * v for v in g[used:]))
+    return _Step(count, np.array(y, dtype=basis.dtype), estimate), None

@@ -278,7 +278,8 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     in_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     stepped = _complex_step.get() and any(jnp.iscomplexobj(a) for a in arrays)
     if stepped and not type(op).takes_complex_step(op):
-        raise DistopError(_refused_complex_step(op, "its forward would get complex inputs, "
+        method = getattr(type(op), "phase_labels", {}).get("forward", "forward")
+        raise DistopError(_refused_complex_step(op, f"its {method} would get complex inputs, "
                                                 "which it does not take (" + (
             "takes_complex_step() is False with these fields" if type(op).complex_step
             else "it does not declare complex_step = True") + ")"))
@@ -329,9 +330,10 @@ def complex_step(on: bool) -> Iterator[None]:
 
 def _refused_complex_step(op: DistributedOperator, why: str) -> str:
     rank = _comm.private(op.comm).Get_rank()
-    return (f"check_totals(method='cs'): {type(op).__name__}.forward on rank {rank} (and "
+    method = getattr(type(op), "phase_labels", {}).get("forward", "forward")
+    return (f"check_totals(method='cs'): {type(op).__name__}.{method} on rank {rank} (and "
             f"every rank alike): {why}. Declare complex_step = True in the class if its "
-            "forward computes the same formulas on complex values (and returns complex "
+            f"{method} computes the same formulas on complex values (and returns complex "
             "outputs for them), or check with method='fd'.")
 
 
@@ -505,6 +507,9 @@ def _transpose_forward(cts: Sequence[Any], *args: Any, call: HostCall) -> list[A
     inputs, for an operator that declares itself linear."""
     name, op = type(call.op).__name__, call.op
     rank = call.comm.Get_rank() if call.comm is not None else 0
+    refusal = getattr(type(op), "transpose_refusal", None)
+    if refusal:
+        raise DistopError(f"jax.linear_transpose: {name} on rank {rank} {refusal}.")
     if not type(op).is_linear(op):
         why = ("is not linear with these fields (is_linear() is False)" if type(op).linear
                else "is not declared linear")

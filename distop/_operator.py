@@ -36,6 +36,7 @@ from ._compat import (
 )
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._guard import check_declarations
+from ._second_derivative import refused
 
 
 class DistributedOperator(eqx.Module):
@@ -421,20 +422,40 @@ def _require_method(call: HostCall) -> None:
 
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
          call: HostCall) -> tuple[list[Any], list[Any]]:
+    if call.phase != "forward":
+        return _jvp_of_derivative(primals, tangents, call)
     if call.lean:  # the token has no tangent
         token, primals, tangents = primals[0], primals[1:], tangents[1:]
-    if call.phase != "forward":  # linear in its (co)tangents; constant in the inputs
-        if call.lean:
-            raise SecondDerivativeError(f"{call.where}: derivatives of a derivative are "
-                                        "not available on the lean path.")
-        if any(type(t) is not ad.Zero for t in tangents[call.n_linear:]):
-            raise SecondDerivativeError(f"{call.where}: derivatives of a derivative "
-                                        "with respect to the inputs are not available.")
-        linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
-        outs = host_call_p.bind(*primals, call=call)
-        return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
     outs = host_call_p.bind(*([token] if call.lean else []), *primals, call=call)
     return outs, _tangents_out(call, outs[0] if call.lean else None, primals, tangents)
+
+
+def _jvp_of_derivative(primals: Sequence[Any], tangents: Sequence[Any],
+                       call: HostCall) -> tuple[list[Any], list[Any]]:
+    """The JVP of a `jvp` or `vjp` call: linear in its (co)tangents, which gives another
+    call of its phase (not on the lean path); the part from its inputs' tangents is a
+    derivative of a derivative, which raises where it is evaluated (see
+    _second_derivative.py), so one traced and discarded is no error."""
+    outs = host_call_p.bind(*primals, call=call)
+    avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
+    nonzero = [t for t in tangents if type(t) is not ad.Zero]
+    if call.lean:
+        message = f"{call.where}: derivatives of a derivative are not available on the lean path."
+        return outs, [ad.Zero(_token_aval().to_tangent_aval()),
+                      *refused(message, nonzero, avals)]
+    linear, inputs = tangents[:call.n_linear], tangents[call.n_linear:]
+    found = None
+    if any(type(t) is not ad.Zero for t in linear):
+        found = host_call_p.bind(*map(ad.instantiate_zeros, linear),
+                                 *primals[call.n_linear:], call=call)
+    varying = [t for t in inputs if type(t) is not ad.Zero]
+    if varying:
+        message = (f"{call.where}: derivatives of a derivative with respect to the inputs "
+                   "are not available.")
+        second = refused(message, varying, avals)
+        found = second if found is None else [a + b for a, b in zip(found, second)]
+    assert found is not None  # (JAX asks for a JVP only where some tangent is not zero)
+    return outs, found
 
 
 def _tangents_out(call: HostCall, token: Any, inputs: Sequence[Any],

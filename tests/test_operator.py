@@ -408,3 +408,41 @@ def test_messages_say_what_to_return_and_why_inputs_are_read_only():
                                                    r"ValueError: .*read-only.*read-only by "
                                                    r"design.*x = x.copy\(\)"):
         distop.Problem(lambda x: {"y": InPlace()(x)}, {"x": np.ones(8)}).run()
+
+
+class ForwardCube(Cube):
+    def jvp(self, comm, tangent, x):
+        return 3 * x ** 2 * tangent
+
+
+@pytest.mark.parametrize("make", [ForwardCube, distop.AllreduceSum], ids=["user", "built-in"])
+def test_a_discarded_derivative_of_a_derivative_raises_nothing(make):
+    op = make()
+    f = lambda x: jnp.sum(op(x) ** 2)  # noqa: E731
+    ref = lambda x: jnp.sum((x ** 3 if make is ForwardCube else x) ** 2)  # noqa: E731
+    outer = lambda f: lambda x: jax.value_and_grad(f)(x)[0]  # noqa: E731  (grad unused)
+    want = jax.grad(ref)(X)
+    np.testing.assert_allclose(jax.grad(outer(f))(X), want, rtol=1e-13)
+    np.testing.assert_allclose(jax.jit(jax.grad(outer(f)))(X), want, rtol=1e-13)
+    np.testing.assert_allclose(jax.vmap(jax.grad(outer(f)))(np.stack([X, 2 * X]))[0], want,
+                               rtol=1e-13)
+    for backend in ("lean", "io_callback"):
+        problem = distop.Problem(lambda x: {"f": outer(f)(x)}, {"x": X}, backend=backend)
+        np.testing.assert_allclose(problem.compute_totals()["f", "x"][0], want, rtol=1e-13)
+
+
+@pytest.mark.parametrize("make", [ForwardCube, distop.AllreduceSum], ids=["user", "built-in"])
+def test_a_derivative_of_a_derivative_evaluated_raises(make):
+    op = make()
+    f = lambda x: jnp.sum(op(x) ** 2)  # noqa: E731
+    evaluated = {
+        "hessian": jax.hessian(f), "jit hessian": jax.jit(jax.hessian(f)),
+        "grad of grad": jax.grad(lambda x: jax.grad(f)(x)[0]),
+        "jit grad of grad": jax.jit(jax.grad(lambda x: jax.grad(f)(x)[0])),
+        "jacfwd of grad": jax.jacfwd(jax.grad(f)),
+        "times zero": jax.grad(lambda x: 0.0 * jax.grad(f)(x)[0] + f(x)),
+    }
+    for name, fn in evaluated.items():
+        with pytest.raises(distop.SecondDerivativeError, match="derivatives of a derivative"):
+            fn(X)
+            pytest.fail(f"{name}: no error")

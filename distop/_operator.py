@@ -36,6 +36,7 @@ from ._compat import (
 )
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._guard import check_declarations
+from ._refusals import install as install_refusals
 from ._second_derivative import refused
 
 
@@ -619,3 +620,4 @@ ad.primitive_transposes[host_call_p] = _transpose
 if primitive_linearizations is not None:
     primitive_linearizations[host_call_p] = _linearize
 batching.primitive_batchers[host_call_p] = _batch
+install_refusals()  # (JAX's refusals of ordered calls, naming the operator)

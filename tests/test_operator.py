@@ -446,3 +446,33 @@ def test_a_derivative_of_a_derivative_evaluated_raises(make):
         with pytest.raises(distop.SecondDerivativeError, match="derivatives of a derivative"):
             fn(X)
             pytest.fail(f"{name}: no error")
+
+
+def test_jax_refusing_ordered_calls_raises_distops_error_naming_the_operator_and_the_fix():
+    op = sin()  # (ordered = True: an io_callback with JAX's ordered effect, as on P > 1)
+    f = lambda x: jnp.sum(jax.checkpoint(op)(x))  # noqa: E731
+    with pytest.raises(distop.OrderedEffectError, match=r"OrderedSin.forward on rank 0 is "
+                       r"called inside jax.checkpoint.*To fix: call the model inside a "
+                       r"distop.Problem.*or call the operator outside jax.checkpoint"):
+        jax.grad(f)(X)
+    with pytest.raises(NotImplementedError, match="jax.checkpoint"):  # (JAX's own kind)
+        jax.jit(jax.grad(f))(X)
+    np.testing.assert_allclose(jax.checkpoint(op)(X), 2.0 * np.sin(X))  # (no derivative)
+    problem = distop.Problem(lambda x: {"f": f(x)}, {"x": X})  # the fix
+    np.testing.assert_allclose(problem.compute_totals()["f", "x"][0], 2.0 * np.cos(X))
+
+    def branch(x):
+        return jnp.sum(lax.cond(x[0] > 0, op, lambda v: v, x))
+
+    with pytest.raises(distop.OrderedEffectError, match=r"OrderedSin.\w+ on rank 0 is "
+                       r"called inside lax.cond.*jnp.where"):
+        jax.vmap(jax.grad(branch))(np.stack([X, -X]))
+    with pytest.raises(distop.OrderedEffectError, match="inside lax.while_loop"):
+        jax.vmap(lambda x: lax.while_loop(lambda c: c[0] < 2.0, lambda c: op(c) + 1.0, x))(
+            np.stack([X, X]))
+    unordered = sin(ordered=False)  # (nothing refused: JAX's own errors stay its own)
+    got = jax.vmap(lambda x: lax.cond(x[0] > 0, unordered, lambda v: v, x))(np.stack([X, -X]))
+    np.testing.assert_allclose(got, np.stack([2.0 * np.sin(X), -X]))
+    problem = distop.Problem(lambda x: {"f": jax.vmap(jax.grad(branch))(x)},
+                             {"x": np.stack([X, -X])})
+    np.testing.assert_allclose(problem.run()["f"][0], 2.0 * np.cos(X))

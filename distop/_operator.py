@@ -504,6 +504,8 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any,
 def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
     if call.phase == "forward":
         return _transpose_forward(cts, *args, call=call)
+    if all(type(c) is ad.Zero for c in cts):  # (a derivative nothing reads: no call)
+        return [None] * len(args)
     if call.lean:
         args, cts = args[1:], cts[1:]
     inputs = args[call.n_linear:]

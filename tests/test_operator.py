@@ -415,11 +415,16 @@ class ForwardCube(Cube):
         return 3 * x ** 2 * tangent
 
 
-@pytest.mark.parametrize("make", [ForwardCube, distop.AllreduceSum], ids=["user", "built-in"])
+class OrderedCube(Cube):
+    ordered = True  # (as an operator that communicates on P > 1, outside a Problem)
+
+
+@pytest.mark.parametrize("make", [Cube, OrderedCube, ForwardCube, distop.AllreduceSum],
+                         ids=["user", "ordered user", "user with jvp", "built-in"])
 def test_a_discarded_derivative_of_a_derivative_raises_nothing(make):
     op = make()
     f = lambda x: jnp.sum(op(x) ** 2)  # noqa: E731
-    ref = lambda x: jnp.sum((x ** 3 if make is ForwardCube else x) ** 2)  # noqa: E731
+    ref = lambda x: jnp.sum((x ** 3 if make is not distop.AllreduceSum else x) ** 2)  # noqa: E731
     outer = lambda f: lambda x: jax.value_and_grad(f)(x)[0]  # noqa: E731  (grad unused)
     want = jax.grad(ref)(X)
     np.testing.assert_allclose(jax.grad(outer(f))(X), want, rtol=1e-13)

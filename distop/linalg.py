@@ -477,6 +477,9 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
         update, failure = solve.prepare(step.coefficients @ basis[:used])
         candidate = x + update
         r_next, r_next_norm = solve.residual(b, candidate, failure)
+        if not math.isfinite(r_next_norm):  # (x, the best iterate, stays)
+            why = _NAN_WHY.format(iterations)
+            break
         if not (r_next_norm <= solve.tolerance or r_next_norm < r_norm):
             # rounding made the true residual worse: keep the best iterate, x
             why = stagnation

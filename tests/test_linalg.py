@@ -298,3 +298,26 @@ def test_gmres_reports_a_breakdown_on_an_operator_that_maps_the_residual_to_zero
     with pytest.raises(ConvergenceError, match="breakdown at iteration 1.*singular") as info:
         gmres(None, lambda v: 0.0 * v, np.ones(4))
     np.testing.assert_array_equal(info.value.result.x, np.zeros(4))
+
+
+def test_gmres_keeps_its_best_iterate_where_the_update_is_not_finite():
+    calls = []
+
+    def precondition(v):  # the final update of the first cycle overflows
+        calls.append(1)
+        return v if len(calls) <= 4 else np.full_like(v, np.inf)
+
+    def matvec(v):
+        with np.errstate(all="ignore"):  # (inf - inf in the product: NaN, no warning)
+            return a @ v
+
+    a, b = nonsymmetric(4)
+    x0 = np.linalg.solve(a, b) + 1e-3
+    result = gmres(None, matvec, b, x0, precondition=precondition, restart=4,
+                   raise_on_failure=False)
+    assert not result.converged and np.all(np.isfinite(result.x))
+    np.testing.assert_array_equal(result.x, x0)
+    assert result.residual_norm == pytest.approx(residual_norm(a, x0, b))
+    calls.clear()
+    with pytest.raises(ConvergenceError, match="breakdown at iteration 4: a NaN or infinity"):
+        gmres(None, matvec, b, x0, precondition=precondition, restart=4)

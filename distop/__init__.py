@@ -17,6 +17,7 @@ from ._errors import LauncherMismatchError as LauncherMismatchError
 from ._errors import MissingMethodError as MissingMethodError
 from ._errors import MPIUnavailableError as MPIUnavailableError
 from ._errors import OperatorError as OperatorError
+from ._errors import OrderedEffectError as OrderedEffectError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._errors import SecondDerivativeError as SecondDerivativeError
 from ._halo import HaloExchange as HaloExchange

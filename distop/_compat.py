@@ -118,3 +118,21 @@ def scan_carrying_one_more(params: dict) -> dict:
     params["ft_in"] = flattree.pack((consts, flattree.pack((flattree.nones(1), carry)), xs))
     params["ft_out"] = flattree.pack((flattree.pack((flattree.nones(1), carry_out)), ys))
     return params
+
+
+# The rules with which JAX refuses ordered callbacks: the partial evaluation of
+# `jax.checkpoint` (differentiating it), the batching of `lax.cond` and of
+# `while_loop`. distop wraps them so that the error names the operator (see
+# _refusals.py). No public names as of jax 0.10.2; none is wrapped where they moved.
+def effect_refusing_rules() -> list[tuple[str, dict, Any]]:
+    """**Returns:** (construct, rule table, primitive) for each rule found."""
+    try:
+        from jax._src.ad_checkpoint import remat_p
+        from jax._src.interpreters import batching, partial_eval
+        from jax._src.lax.control_flow.conditionals import cond_p
+        from jax._src.lax.control_flow.loops import while_p
+    except ImportError:  # pragma: no cover - other jax releases
+        return []
+    return [("checkpoint", partial_eval.custom_partial_eval_rules, remat_p),
+            ("cond", batching.fancy_primitive_batchers, cond_p),
+            ("while_loop", batching.fancy_primitive_batchers, while_p)]

@@ -7,7 +7,9 @@ the quotient is the slope of a secant, not of the tangent. Every estimate here i
 at the step h and again at 2h: the two differ by about the truncation (three times
 it, for central and complex differences, whose truncation grows as h**2; once, for
 one-sided ones, whose truncation grows as h). The rounding follows from the values'
-magnitude and precision. Their sum is the error the estimate carries, entry by entry.
+magnitude and precision, and from that of the terms they are made of: a value that
+cancels larger terms (x0 - 2 x1 + x2, say) rounds as they do. Their sum is the error the
+estimate carries, entry by entry.
 """
 
 import dataclasses
@@ -20,6 +22,9 @@ METHODS = ("fd", "cs")
 # units of roundoff (eps |value|) allowed per evaluated value: a model's own sums and
 # products round several times before its outputs
 ROUNDING_UNITS = 2.0
+# units of roundoff (eps times the size of the terms) per evaluated value, for the
+# terms an output entry is made of, which may cancel
+TERMS_UNITS = 1.0
 
 
 def multiples(method: str, form: str) -> tuple[complex, ...]:
@@ -87,6 +92,32 @@ def estimate(method: str, form: str, values: list[np.ndarray], base: np.ndarray 
     d2 = (values[1].real - base.real) / steps[1]
     rounding = units * (np.abs(values[0]) + np.abs(base)) / np.abs(steps[0])
     return Estimate(d1, rounding, np.abs(d1 - d2))
+
+
+def terms_rounding(method: str, form: str, steps: list[np.ndarray], eps: float,
+                   terms: np.ndarray) -> np.ndarray:
+    """The rounding a difference carries from the terms its values are made of.
+
+    A value that cancels larger terms is off by some units of those terms' last place,
+    not of its own; its difference quotient magnifies that. The size of the terms of
+    output entry i is taken as sum_j |J_ij| |x_j| over the entries perturbed: exact for
+    a linear function's terms, the size of each input's contribution otherwise.
+
+    **Arguments:**
+    - `method`, `form`: as for `check_totals`.
+    - `steps`: per multiple, the step each column's entry really took (as `estimate`).
+    - `eps`: the machine epsilon of the values.
+    - `terms`: per output entry, the size of its terms.
+
+    **Returns:** the rounding, one row per output entry, one column per input entry
+    (zeros for the complex step, which takes no difference).
+    """
+    width = (np.abs(steps[0] - steps[1]) if len(FORMS[form]) == 2 else np.abs(steps[0])
+             ).reshape(-1)
+    if method == "cs":
+        return np.zeros((terms.size, width.size))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # (not ok)
+        return (2 * TERMS_UNITS * eps) * terms.reshape(-1, 1) / width.reshape(1, -1)
 
 
 def judge(got: np.ndarray, ref: np.ndarray,

@@ -42,6 +42,17 @@ class SecondDerivativeError(DistopError, NotImplementedError):
     """
 
 
+class OrderedEffectError(DistopError, NotImplementedError):
+    """JAX cannot transform an operator's ordered calls where they are.
+
+    Outside a `Problem`, the calls of an operator that communicates on more than one
+    rank (or declares `ordered = True`) are ordered `io_callback`s, which JAX cannot
+    differentiate inside `jax.checkpoint`, nor vmap inside `lax.cond` or `while_loop`.
+    The message names the operator and the fix: a `Problem`, whose lean path does
+    these, or the documented alternative.
+    """
+
+
 class ScheduleMismatchError(DistopError, RuntimeError):
     """Ranks compiled different collective schedules for the same entry point.
 

@@ -14,6 +14,7 @@ the lean path, batching, fusing, the schedule, the checks) holds as it is:
 """
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -64,6 +65,11 @@ class ImplicitOperator(DistributedOperator):
       be 1) and return one; `y` and the inputs come without it. Otherwise distop calls
       them once per seed, in a fixed order.
     - `ordered`: as for `DistributedOperator`.
+    - `complex_step` (with `takes_complex_step`), `batched_forward` and `unbatched`: as
+      for `DistributedOperator`, of `solve`. The explicit names of the others hold too
+      (`forward_collectives` adds to `solve_collectives`; `vjp_collectives` and
+      `jvp_collectives` to the adjoint's; `batched_vjp` means `batched_adjoint`).
+      `linear` gives no transpose: `jax.linear_transpose` of a call raises.
 
     `output_spec` gives y's shape and dtype (default: the first input's).
     In the schedule, a call shows as `Op.solve` and `Op.state`, and its derivatives as
@@ -167,7 +173,8 @@ class ImplicitOperator(DistributedOperator):
         if explicit is not None:
             return explicit
         if not (self.solve_collectives or self.adjoint_collectives
-                or self.residual_collectives):
+                or self.residual_collectives or self.forward_collectives
+                or self.vjp_collectives or self.jvp_collectives):
             return False
         return private(self.comm).Get_size() > 1
 
@@ -185,7 +192,8 @@ def solve_implicit(op: ImplicitOperator, inputs: Sequence[Any]) -> Any:
     **Returns:** y.
     """
     solve, state = _wrappers(type(op))
-    fields = {"comm": op.comm, "ordered": op.ordered}
+    # (the class body's `ordered` too: the wrappers are classes of their own)
+    fields = {"comm": op.comm, "ordered": explicit_order(op)}
     arrays = as_arrays(type(op).__name__, inputs)
     # The solve itself carries no derivative: `state` gives y's, from the adjoint.
     y = apply(solve(op, **fields), [lax.stop_gradient(x) for x in arrays])
@@ -199,16 +207,28 @@ def solve_implicit(op: ImplicitOperator, inputs: Sequence[Any]) -> Any:
 @functools.cache
 def _wrappers(cls: type[ImplicitOperator]) -> tuple[type, type]:
     """**Returns:** the two explicit operator classes a call of `cls` binds (see the
-    module docstring), named as `cls` and declaring its communication."""
-    adjoint = tuple(cls.adjoint_collectives) + tuple(
-        c for c in cls.residual_collectives if c not in cls.adjoint_collectives)
+    module docstring), named as `cls` and carrying its declarations.
+
+    The declarations of an explicit operator hold for an implicit one as well:
+    `forward_collectives` adds to `solve_collectives`, `vjp_collectives` and
+    `jvp_collectives` to the adjoint's, `batched_vjp` means `batched_adjoint`;
+    `batched_forward` and `unbatched` are the solve's; `complex_step` (with
+    `takes_complex_step`) holds for both calls; `ordered` is passed on by the call.
+    """
+    adjoint = _union(cls.adjoint_collectives, cls.residual_collectives,
+                     cls.vjp_collectives, cls.jvp_collectives)
     missing_reverse = [m for m in ("solve_adjoint", "residual_vjp") if not _has(cls, m)]
     missing_forward = [m for m in ("solve_linear", "residual_jvp") if not _has(cls, m)]
     solve = type(cls.__name__, (_Solve,), {
-        "__module__": cls.__module__, "forward_collectives": tuple(cls.solve_collectives)})
+        "__module__": cls.__module__,
+        "forward_collectives": _union(cls.solve_collectives, cls.forward_collectives),
+        "batched_forward": bool(cls.batched_forward), "unbatched": cls.unbatched,
+        "complex_step": bool(cls.complex_step), "forward": _solve_forward(cls)})
     attributes: dict[str, Any] = {
-        "__module__": cls.__module__, "vjp_collectives": adjoint,
-        "jvp_collectives": adjoint, "batched_vjp": bool(cls.batched_adjoint),
+        "__module__": cls.__module__, "complex_step": bool(cls.complex_step),
+        "vjp_collectives": adjoint,
+        "jvp_collectives": adjoint,
+        "batched_vjp": bool(cls.batched_adjoint or cls.batched_vjp),
         "missing_methods": {}}
     # A missing method: the phase stays the base class's, which distop reports as
     # missing (naming the user's method) before any rank runs the program.
@@ -221,6 +241,23 @@ def _wrappers(cls: type[ImplicitOperator]) -> tuple[type, type]:
     return solve, type(cls.__name__, (_State,), attributes)
 
 
+def _union(*declared: Sequence[str]) -> tuple[str, ...]:
+    """**Returns:** the names of the `declared` tuples, each once, in order."""
+    return tuple(dict.fromkeys(name for names in declared for name in names))
+
+
+def _solve_forward(cls: type[ImplicitOperator]) -> Any:
+    """**Returns:** the solve wrapper's `forward`, taking the keywords (`batched`, `out`)
+    that `cls.solve` takes."""
+
+    def forward(self: Any, comm: Any, *inputs: Any, **keywords: Any) -> Any:
+        return type(self.implicit).solve(self.implicit, comm, *inputs, **keywords)
+
+    # (distop reads the keywords a method takes from its signature)
+    forward.__signature__ = inspect.signature(cls.solve)  # type: ignore[attr-defined]
+    return forward
+
+
 def _has(cls: type, method: str) -> bool:
     return getattr(cls, method) is not getattr(ImplicitOperator, method)
 
@@ -229,25 +266,35 @@ def _missing(cls: type, method: str) -> str:
     return f"{cls.__name__} does not implement {_METHODS[method]}."
 
 
-class _Solve(DistributedOperator):
-    """The solve of an implicit operator's call, as an explicit operator's forward."""
+class _Wrapper(DistributedOperator):
+    """One of the two calls an implicit operator's call binds."""
 
     implicit: Any = None
-    phase_labels: ClassVar[dict[str, str]] = {"forward": "solve"}
+    # (jax.linear_transpose would meet the stop_gradient between the two calls)
+    transpose_refusal: ClassVar[str] = (
+        "is an implicit operator: its call has no transpose (declared linear or not). "
+        "Transpose its linearization instead (jax.vjp of the function: one adjoint "
+        "solve), or, for a linear system A y = x, write an explicit operator with A in "
+        "forward and its transpose in vjp, declared linear = True")
 
-    def forward(self, comm: Any, *inputs: Any) -> Any:
-        return type(self.implicit).solve(self.implicit, comm, *inputs)
+    def takes_complex_step(self) -> bool:
+        return type(self.implicit).takes_complex_step(self.implicit)
+
+
+class _Solve(_Wrapper):
+    """The solve of an implicit operator's call, as an explicit operator's forward."""
+
+    phase_labels: ClassVar[dict[str, str]] = {"forward": "solve"}
 
     def output_spec(self, *input_specs: Any) -> Any:
         return type(self.implicit).output_spec(self.implicit, *input_specs)
 
 
-class _State(DistributedOperator):
+class _State(_Wrapper):
     """y again, from the y `solve` returned and the inputs, with the implicit operator's
     derivatives: an explicit operator whose `vjp` is the adjoint and `jvp` the linear
     solve."""
 
-    implicit: Any = None
     phase_labels: ClassVar[dict[str, str]] = {"forward": "state", "vjp": "adjoint",
                                               "jvp": "linear"}
     unbatched: ClassVar[str] = "expand_dims"

@@ -36,6 +36,8 @@ from ._compat import (
 )
 from ._errors import DistopError, MissingMethodError, SecondDerivativeError
 from ._guard import check_declarations
+from ._refusals import install as install_refusals
+from ._second_derivative import refused
 
 
 class DistributedOperator(eqx.Module):
@@ -278,7 +280,8 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     in_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     stepped = _complex_step.get() and any(jnp.iscomplexobj(a) for a in arrays)
     if stepped and not type(op).takes_complex_step(op):
-        raise DistopError(_refused_complex_step(op, "its forward would get complex inputs, "
+        method = getattr(type(op), "phase_labels", {}).get("forward", "forward")
+        raise DistopError(_refused_complex_step(op, f"its {method} would get complex inputs, "
                                                 "which it does not take (" + (
             "takes_complex_step() is False with these fields" if type(op).complex_step
             else "it does not declare complex_step = True") + ")"))
@@ -329,9 +332,10 @@ def complex_step(on: bool) -> Iterator[None]:
 
 def _refused_complex_step(op: DistributedOperator, why: str) -> str:
     rank = _comm.private(op.comm).Get_rank()
-    return (f"check_totals(method='cs'): {type(op).__name__}.forward on rank {rank} (and "
+    method = getattr(type(op), "phase_labels", {}).get("forward", "forward")
+    return (f"check_totals(method='cs'): {type(op).__name__}.{method} on rank {rank} (and "
             f"every rank alike): {why}. Declare complex_step = True in the class if its "
-            "forward computes the same formulas on complex values (and returns complex "
+            f"{method} computes the same formulas on complex values (and returns complex "
             "outputs for them), or check with method='fd'.")
 
 
@@ -419,20 +423,40 @@ def _require_method(call: HostCall) -> None:
 
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
          call: HostCall) -> tuple[list[Any], list[Any]]:
+    if call.phase != "forward":
+        return _jvp_of_derivative(primals, tangents, call)
     if call.lean:  # the token has no tangent
         token, primals, tangents = primals[0], primals[1:], tangents[1:]
-    if call.phase != "forward":  # linear in its (co)tangents; constant in the inputs
-        if call.lean:
-            raise SecondDerivativeError(f"{call.where}: derivatives of a derivative are "
-                                        "not available on the lean path.")
-        if any(type(t) is not ad.Zero for t in tangents[call.n_linear:]):
-            raise SecondDerivativeError(f"{call.where}: derivatives of a derivative "
-                                        "with respect to the inputs are not available.")
-        linear = [ad.instantiate_zeros(t) for t in tangents[:call.n_linear]]
-        outs = host_call_p.bind(*primals, call=call)
-        return outs, host_call_p.bind(*linear, *primals[call.n_linear:], call=call)
     outs = host_call_p.bind(*([token] if call.lean else []), *primals, call=call)
     return outs, _tangents_out(call, outs[0] if call.lean else None, primals, tangents)
+
+
+def _jvp_of_derivative(primals: Sequence[Any], tangents: Sequence[Any],
+                       call: HostCall) -> tuple[list[Any], list[Any]]:
+    """The JVP of a `jvp` or `vjp` call: linear in its (co)tangents, which gives another
+    call of its phase (not on the lean path); the part from its inputs' tangents is a
+    derivative of a derivative, which raises where it is evaluated (see
+    _second_derivative.py), so one traced and discarded is no error."""
+    outs = host_call_p.bind(*primals, call=call)
+    avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
+    nonzero = [t for t in tangents if type(t) is not ad.Zero]
+    if call.lean:
+        message = f"{call.where}: derivatives of a derivative are not available on the lean path."
+        return outs, [ad.Zero(_token_aval().to_tangent_aval()),
+                      *refused(message, nonzero, avals)]
+    linear, inputs = tangents[:call.n_linear], tangents[call.n_linear:]
+    found = None
+    if any(type(t) is not ad.Zero for t in linear):
+        found = host_call_p.bind(*map(ad.instantiate_zeros, linear),
+                                 *primals[call.n_linear:], call=call)
+    varying = [t for t in inputs if type(t) is not ad.Zero]
+    if varying:
+        message = (f"{call.where}: derivatives of a derivative with respect to the inputs "
+                   "are not available.")
+        second = refused(message, varying, avals)
+        found = second if found is None else [a + b for a, b in zip(found, second)]
+    assert found is not None  # (JAX asks for a JVP only where some tangent is not zero)
+    return outs, found
 
 
 def _tangents_out(call: HostCall, token: Any, inputs: Sequence[Any],
@@ -480,6 +504,8 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any,
 def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
     if call.phase == "forward":
         return _transpose_forward(cts, *args, call=call)
+    if all(type(c) is ad.Zero for c in cts):  # (a derivative nothing reads: no call)
+        return [None] * len(args)
     if call.lean:
         args, cts = args[1:], cts[1:]
     inputs = args[call.n_linear:]
@@ -505,6 +531,9 @@ def _transpose_forward(cts: Sequence[Any], *args: Any, call: HostCall) -> list[A
     inputs, for an operator that declares itself linear."""
     name, op = type(call.op).__name__, call.op
     rank = call.comm.Get_rank() if call.comm is not None else 0
+    refusal = getattr(type(op), "transpose_refusal", None)
+    if refusal:
+        raise DistopError(f"jax.linear_transpose: {name} on rank {rank} {refusal}.")
     if not type(op).is_linear(op):
         why = ("is not linear with these fields (is_linear() is False)" if type(op).linear
                else "is not declared linear")
@@ -593,3 +622,4 @@ ad.primitive_transposes[host_call_p] = _transpose
 if primitive_linearizations is not None:
     primitive_linearizations[host_call_p] = _linearize
 batching.primitive_batchers[host_call_p] = _batch
+install_refusals()  # (JAX's refusals of ordered calls, naming the operator)

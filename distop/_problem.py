@@ -16,7 +16,7 @@ from . import _assembly, _comm, _profile, _totals
 from ._arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from ._config import env_flag
 from ._coordinator import Coordinator, stable_hash
-from ._errors import DistopError, MissingMethodError, SecondDerivativeError
+from ._errors import DistopError, MissingMethodError, OrderedEffectError, SecondDerivativeError
 from ._execution import Executor
 from ._inputs import empty
 from ._layout import Layout
@@ -450,7 +450,8 @@ def _later(err: BaseException) -> str:
     `compute_totals` raises the error when called; `"others"` where it failed because
     another rank did; else `"raise"`. The ranks decide together
     (`Coordinator.go_on_without`)."""
-    if isinstance(err, (MissingMethodError, SecondDerivativeError)) or type(err) in (
+    if isinstance(err, (MissingMethodError, SecondDerivativeError,
+                        OrderedEffectError)) or type(err) in (
             ValueError, TypeError, NotImplementedError):
         return "later"
     if getattr(err, "elsewhere", False):

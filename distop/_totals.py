@@ -23,6 +23,7 @@ from ._differences import (
     judge,
     multiples,
     needs_base,
+    terms_rounding,
 )
 from ._errors import DerivativeCheckError, DistopError
 from ._layout import Layout
@@ -357,6 +358,7 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     deltas: dict[str, np.ndarray] = {}
     steps = np.zeros((len(factors), n))  # the step each perturbation really took
     scales: dict[str, float] = {}  # the largest magnitude of each input
+    magnitudes: dict[str, np.ndarray] = {}  # |x| of each input, every entry
     for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
         spec = layout.inputs[w]
         dtype = np.result_type(spec.dtype, np.complex64) if method == "cs" else spec.dtype
@@ -384,6 +386,7 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
                 steps[k, offset + a * size:offset + (a + 1) * size] = taken[
                     k * len(directions) + a]
         scales[w] = float(np.max(taken[-1], initial=0.0))
+        magnitudes[w] = taken[-1]
     if len(factors) * n > 256:
         say(f"check_totals: evaluating {len(factors) * n} perturbed points in one batched "
             "call")
@@ -415,6 +418,13 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
                     counts = flat_counts(layout, o)
                     blocks = [gather_rows(comm, b, counts) for b in blocks]
                 estimates[o, w] = Estimate(blocks[0], blocks[1], blocks[2], eps, scales[w])
+            # the size of the terms each entry of o is made of, over every input perturbed
+            terms = sum(np.abs(estimates[o, w].value) @ magnitudes[w] for w in wrt)
+            for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
+                found = estimates[o, w]
+                found.rounding = found.rounding + len(directions) * terms_rounding(
+                    method, form, [s[offset:offset + size] for s in steps], found.eps,
+                    np.asarray(terms))
     return estimates
 
 

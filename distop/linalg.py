@@ -73,6 +73,7 @@ class _Solve:
         self.n, self.dtype = 0, np.dtype(np.float64)
         self.b_norm = self.tolerance = 0.0
         self.rtol = self.atol = 0.0
+        self.nonfinite: str | None = None  # which of b and x0 hold a NaN or infinity
         self.maxiter = 0
 
     # -- sums over the ranks -----------------------------------------------------------
@@ -203,8 +204,15 @@ class _Solve:
             block = np.array(block, dtype=self.dtype)
         except (TypeError, ValueError) as err:
             failure, block, start = err, np.zeros(0), None
-        bb, n = self.sum([self.dot(block, block), block.shape[0]], failure)
-        self.b_norm = math.sqrt(bb)
+        # the count of non-finite entries, summed with the rest: every rank learns alike
+        bad_x0 = 0 if start is None else int(np.count_nonzero(~np.isfinite(start)))
+        bb, n, bad_b, bad_x0 = self.sum(
+            [self.dot(block, block), block.shape[0],
+             np.count_nonzero(~np.isfinite(block)), bad_x0], failure)
+        inputs = [name for name, bad in (("b", bad_b), ("x0", bad_x0)) if bad]
+        if inputs:
+            self.nonfinite = " and ".join(inputs)
+        self.b_norm = math.sqrt(bb) if bb >= 0 else math.nan
         self.tolerance = max(self.rtol * self.b_norm, self.atol)
         self.maxiter = 10 * int(n) if maxiter is None else int(maxiter)
         return block, start
@@ -217,6 +225,23 @@ class _Solve:
         r = b - ax
         (rr,) = self.sum([self.dot(r, r)], failure or failure_ax)
         return r, math.sqrt(rr) if rr >= 0 else math.nan
+
+    def refuse_nonfinite(self, b: np.ndarray, x0: np.ndarray | None,
+                         raise_on_failure: bool) -> SolveResult | None:
+        """The verdict where b or x0 holds a NaN or infinity on some rank, else None.
+
+        **Returns:** an unconverged result, with no iteration made, where
+        `raise_on_failure` is False.
+
+        **Raises:** `ConvergenceError` on every rank alike otherwise.
+        """
+        if self.nonfinite is None:
+            return None
+        x = np.zeros_like(b) if x0 is None else x0
+        norm = self.b_norm if not math.isfinite(self.b_norm) else math.inf
+        why = (f"{self.nonfinite} hold(s) a NaN or infinity (on some rank), so no "
+               "iterate can meet a tolerance")
+        return self.end(x, 0, norm, why, f"pass finite {self.nonfinite}", raise_on_failure)
 
     def initial(self, b: np.ndarray, x0: np.ndarray | None,
                 ) -> tuple[np.ndarray, np.ndarray, float]:
@@ -248,7 +273,9 @@ class _Solve:
         **Raises:** `ConvergenceError` where the residual misses the tolerance and
         `raise_on_failure`.
         """
-        converged = residual_norm <= self.tolerance  # (False for NaN)
+        # (a non-finite tolerance, from ||b|| = inf, would pass inf <= inf)
+        converged = (self.nonfinite is None and math.isfinite(residual_norm)
+                     and math.isfinite(self.tolerance) and residual_norm <= self.tolerance)
         result = SolveResult(x, iterations, float(residual_norm), bool(converged))
         if converged or not raise_on_failure:
             return result
@@ -300,7 +327,8 @@ def cg(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None, *,
 
     **Raises:** `ConvergenceError` on every rank where the tolerance is not met within
     `maxiter` iterations, or at a breakdown (p^T A p <= 0: A not positive definite;
-    r^T M^-1 r <= 0: M not positive definite; NaN). `ValueError` or `TypeError` for a
+    r^T M^-1 r <= 0: M not positive definite; a NaN or infinity), and at once where b
+    or x0 holds a NaN or infinity on any rank. `ValueError` or `TypeError` for a
     wrong block (b not 1-D, x0 shaped unlike b, matvec or precondition returning
     another shape) on its rank, and a `DistopError` naming that rank on the others.
 
@@ -319,6 +347,9 @@ def cg(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None, *,
     fix = ("check that the operator (and the preconditioner) is symmetric positive "
            "definite, and for an adjoint solve that matvec applies the transpose; use "
            "gmres for a non-symmetric or indefinite operator")
+    refused = solve.refuse_nonfinite(b, x0, raise_on_failure)
+    if refused is not None:
+        return refused
     if solve.b_norm == 0.0:
         return SolveResult(np.zeros_like(b), 0, 0.0, True)
     x, r, r_norm = solve.initial(b, x0)
@@ -384,7 +415,9 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
     of at most `restart + 1` scalars; the basis takes `restart + 1` vectors of this
     rank's block. The preconditioner is applied on the right, so the norm the
     iterations minimize, and the stopping rule ||b - A x|| <= max(rtol * ||b||, atol),
-    is that of the true residual; it is checked on b - A x itself after each cycle.
+    is that of the true residual; it is checked on b - A x itself after each cycle. A
+    cycle's update is taken only where it makes that residual smaller, so the result is
+    never worse than the best iterate, `x0` included.
 
     **Arguments:**
     - `comm`: the mpi4py communicator, or None for one process (as in `cg`).
@@ -404,7 +437,8 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
 
     **Raises:** `ConvergenceError` on every rank where the tolerance is not met within
     `maxiter` iterations, where a whole cycle leaves the residual no smaller, or at a
-    NaN. `ValueError` or `TypeError` for a wrong block, as in `cg`.
+    NaN or infinity (at once where b or x0 holds one on any rank). `ValueError` or
+    `TypeError` for a wrong block, as in `cg`.
     """
     if not (isinstance(restart, numbers.Integral) and restart >= 1):
         raise ValueError(f"{name}(restart={restart!r}): expected an int >= 1, the same on "
@@ -413,6 +447,9 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
     b, x0 = solve.start(b, x0, rtol, atol, maxiter)
     fix = ("check the operator (for an adjoint solve, that matvec applies the transpose), "
            "or raise restart")
+    refused = solve.refuse_nonfinite(b, x0, raise_on_failure)
+    if refused is not None:
+        return refused
     if solve.b_norm == 0.0:
         return SolveResult(np.zeros_like(b), 0, 0.0, True)
     x, r, r_norm = solve.initial(b, x0)
@@ -429,25 +466,37 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
         iterations += step.count
         if why is not None:
             break
-        update, failure = solve.prepare(step.coefficients @ basis[:step.count])
-        x += update
-        previous = r_norm
-        r, r_norm = solve.residual(b, x, failure)
-        if r_norm > solve.tolerance and r_norm >= previous:
-            why = (f"stagnation at iteration {iterations}: a whole cycle of at most "
-                   f"{restart} iterations left the residual no smaller ({previous:.3e} "
-                   "before it), so the next would too; the operator may be singular or "
-                   "too indefinite for this restart")
+        stagnation = (f"stagnation at iteration {iterations}: a whole cycle of at most "
+                      f"{restart} iterations left the residual no smaller ({r_norm:.3e} "
+                      "before it), so the next would too; the operator may be singular or "
+                      "too indefinite for this restart")
+        if not step.estimate < r_norm:  # (checked before the update: it is not taken)
+            why = stagnation
             break
+        used = step.coefficients.shape[0]
+        update, failure = solve.prepare(step.coefficients @ basis[:used])
+        candidate = x + update
+        r_next, r_next_norm = solve.residual(b, candidate, failure)
+        if not math.isfinite(r_next_norm):  # (x, the best iterate, stays)
+            why = _NAN_WHY.format(iterations)
+            break
+        if not (r_next_norm <= solve.tolerance or r_next_norm < r_norm):
+            # rounding made the true residual worse: keep the best iterate, x
+            why = stagnation
+            break
+        x, r, r_norm = candidate, r_next, r_next_norm
     return solve.end(x, iterations, r_norm, why, fix, raise_on_failure)
 
 
 @dataclasses.dataclass
 class _Step:
-    """One GMRES cycle: its iterations and the coefficients of its basis vectors."""
+    """One GMRES cycle: its iterations, the coefficients of its first basis vectors
+    (fewer than `count` where the triangle is singular to working precision), and the
+    residual norm they reach by the cycle's own estimate."""
 
     count: int
     coefficients: np.ndarray
+    estimate: float = math.inf
 
 
 def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
@@ -471,7 +520,7 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
     g = [r_norm]  # the right-hand side of the small least-squares problem, rotated
     columns: list[list[float]] = []  # the rotated Hessenberg matrix, by columns
     rotations: list[tuple[float, float]] = []
-    count = 0
+    count, scale = 0, 0.0  # scale: the largest column norm of the Hessenberg matrix
     for j in range(min(restart, solve.maxiter - iterations)):
         z, failure = solve.prepare(basis[j])
         w, failure_w = solve.apply(z)
@@ -490,6 +539,7 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         h_next = math.sqrt(left) if left > 0.0 else 0.0 if left == 0.0 else math.nan
         if not (math.isfinite(h_next) and math.isfinite(ww) and all(map(math.isfinite, column))):
             return _Step(0, np.zeros(0)), _NAN_WHY.format(iterations + count)
+        scale = max(scale, math.sqrt(sum(v * v for v in column) + h_next * h_next))
         for i, (c, s) in enumerate(rotations):
             column[i], column[i + 1] = c * column[i] + s * column[i + 1], \
                 -s * column[i] + c * column[i + 1]
@@ -503,13 +553,23 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         count += 1
         # the Krylov space holds A's image of itself, to rounding: the cycle is exact
         invariant = h_next <= 4.0 * eps * math.sqrt(max(ww, 0.0))
-        if invariant or abs(g[j + 1]) <= solve.tolerance or j + 1 == restart:
+        singular = d <= 4.0 * eps * scale  # (the back substitution stops before it)
+        if invariant or singular or abs(g[j + 1]) <= solve.tolerance or j + 1 == restart:
             break
         basis[j + 1] = w / h_next
-    # back substitution on the triangle (a zero pivot, from a singular A, adds nothing)
-    y = [0.0] * count
-    for i in reversed(range(count)):
-        pivot = columns[i][i]
-        rest = sum(columns[k][i] * y[k] for k in range(i + 1, count))
-        y[i] = (g[i] - rest) / pivot if pivot != 0.0 else 0.0
-    return _Step(count, np.array(y, dtype=basis.dtype)), None
+    # A pivot tiny beside the columns (A M singular to working precision) would give
+    # huge coefficients that cancel only in exact arithmetic: keep the columns before
+    # the first one. Their triangle and rotated right-hand side are final, and the
+    # least-squares residual over them is the norm of the rest of g.
+    used = next((i for i in range(count) if abs(columns[i][i]) <= 4.0 * eps * scale), count)
+    if used == 0:
+        return _Step(count, np.zeros(0)), (
+            f"breakdown at iteration {iterations + count}: the preconditioned operator "
+            "maps the residual to (nearly) zero, so it is singular to working precision "
+            "(check the preconditioner too)")
+    y = [0.0] * used
+    for i in reversed(range(used)):
+        rest = sum(columns[k][i] * y[k] for k in range(i + 1, used))
+        y[i] = (g[i] - rest) / columns[i][i]
+    estimate = math.sqrt(sum(v * v for v in g[used:]))
+    return _Step(count, np.array(y, dtype=basis.dtype), estimate), None

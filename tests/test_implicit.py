@@ -188,3 +188,123 @@ def test_vmap_over_the_inputs_solves_each():
     got = jax.vmap(jax.grad(lambda b: jnp.sum(op(b, 1.5, 0.25) ** 2)))(bs)
     want = jax.vmap(jax.grad(lambda b: jnp.sum(dense(b, 1.5, 0.25) ** 2)))(bs)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+class Sqrt(distop.ImplicitOperator):
+    """y with y^2 = x, for complex x too."""
+
+    complex_step = True
+
+    def solve(self, comm, x):
+        return np.sqrt(x)
+
+    def solve_adjoint(self, comm, y_bar, y, x):
+        return y_bar / (2 * y)
+
+    def residual_vjp(self, comm, lam, y, x):
+        return (-lam,)
+
+
+def test_complex_step_checks_an_implicit_operator_that_declares_it():
+    problem = distop.Problem(lambda x: {"y": Sqrt()(x)}, {"x": np.array([4.0, 9.0])})
+    results = problem.check_totals(method="cs", out_stream=None)
+    assert all(r.ok for r in results.values())
+
+    class RealSqrt(Sqrt):
+        complex_step = False
+
+    refused = distop.Problem(lambda x: {"y": RealSqrt()(x)}, {"x": np.array([4.0, 9.0])})
+    with pytest.raises(distop.DistopError, match=r"RealSqrt.solve on rank 0.*does not "
+                       "declare complex_step = True"):
+        refused.check_totals(method="cs", out_stream=None)
+
+    class ChosenSqrt(Sqrt):
+        complex: bool = True
+
+        def takes_complex_step(self):
+            return self.complex
+
+    chosen = distop.Problem(lambda x: {"y": ChosenSqrt(False)(x)}, {"x": np.array([4.0])})
+    with pytest.raises(distop.DistopError, match="takes_complex_step"):
+        chosen.check_totals(method="cs", out_stream=None)
+
+
+def test_the_class_body_ordered_setting_holds_for_implicit_operators():
+    class OrderedSqrt(Sqrt):
+        ordered = True
+
+    jaxpr = jax.make_jaxpr(OrderedSqrt())(jnp.ones(2))
+    assert "OrderedSqrt.solve[ordered]" in str(jaxpr), jaxpr
+    assert "OrderedSqrt.state[ordered]" in str(jaxpr) and jaxpr.effects
+    jaxpr = jax.make_jaxpr(OrderedSqrt(ordered=False))(jnp.ones(2))
+    assert "OrderedSqrt.solve[unordered]" in str(jaxpr) and not jaxpr.effects
+    assert OrderedSqrt().is_ordered() and not Sqrt().is_ordered()
+
+
+def test_the_explicit_names_of_declarations_hold_for_implicit_operators():
+    from mpi4py import MPI
+
+    class Summed(Scaled):
+        """Scaled, its methods making (one-rank) Allreduce calls declared by the names
+        an explicit operator uses."""
+
+        forward_collectives = ("Allreduce",)
+        vjp_collectives = ("Allreduce",)
+        batched_vjp = True  # (batched_adjoint, as an explicit operator says it)
+
+        def solve(self, comm, b, k, c):
+            comm.Allreduce(MPI.IN_PLACE, b.copy(), op=MPI.SUM)
+            return super().solve(comm, b, k, c)
+
+        def solve_adjoint(self, comm, y_bar, y, b, k, c):
+            self.calls.append(("solve_adjoint", y_bar.shape))
+            comm.Allreduce(MPI.IN_PLACE, y_bar.copy(), op=MPI.SUM)
+            return np.linalg.solve((k * B).T, y_bar.T).T.copy()
+
+        def residual_vjp(self, comm, lam, y, b, k, c):
+            return -lam, lam @ (B @ y), -lam.sum(axis=1)
+
+    op = Summed()
+    Summed.calls.clear()
+    problem = distop.Problem(lambda b, k, c: {"y": op(b, k, c)}, dict(zip("bkc", POINT)))
+    J = problem.compute_totals()
+    np.testing.assert_allclose(J["y", "b"], np.linalg.inv(1.5 * B), rtol=1e-11, atol=1e-13)
+    assert ("solve_adjoint", (N, N)) in Summed.calls  # one block solve for the N seeds
+
+
+def test_a_batched_solve_takes_the_whole_batch_in_one_call():
+    shapes = []
+
+    class BatchedSolve(Sqrt):
+        batched_forward = True
+
+        def solve(self, comm, x, batched=False):
+            shapes.append((x.shape, batched))
+            return np.sqrt(x)
+
+    xs = np.array([[4.0, 9.0], [16.0, 25.0], [1.0, 4.0]])
+    got = jax.vmap(BatchedSolve())(xs)
+    np.testing.assert_allclose(got, np.sqrt(xs), rtol=1e-15)
+    assert shapes == [((3, 2), True)]
+    np.testing.assert_allclose(jax.vmap(jax.grad(lambda x: jnp.sum(BatchedSolve()(x))))(xs),
+                               0.5 / np.sqrt(xs), rtol=1e-14)
+
+
+def test_linear_transpose_of_an_implicit_operator_says_what_to_do():
+    class Third(distop.ImplicitOperator):
+        linear = True
+
+        def solve(self, comm, x):
+            return x / 3.0
+
+        def solve_adjoint(self, comm, y_bar, y, x):
+            return y_bar / 3.0
+
+        def residual_vjp(self, comm, lam, y, x):
+            return (-lam,)
+
+    with pytest.raises(distop.DistopError, match=r"jax.linear_transpose: Third on rank 0 is "
+                       "an implicit operator.*jax.vjp"):
+        jax.linear_transpose(Third(), jnp.ones(2))(jnp.ones(2))
+    _, pull = jax.vjp(Third(), jnp.ones(2))  # the transpose it points to
+    np.testing.assert_allclose(pull(jnp.ones(2))[0], np.full(2, 1.0 / 3.0), rtol=1e-15)

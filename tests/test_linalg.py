@@ -238,3 +238,86 @@ def test_functions_get_read_only_blocks_and_may_return_them(solver):
     result = solver(None, matvec, np.arange(1.0, 5.0), precondition=lambda r: r)
     assert result.converged and seen and not any(seen)
     np.testing.assert_allclose(result.x, np.arange(1.0, 5.0))
+
+
+@pytest.mark.parametrize("solver", [cg, gmres])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", ["b", "x0"])
+def test_a_non_finite_b_or_x0_is_never_converged(solver, bad, where):
+    b, x0 = np.array([1.0, 2.0]), np.zeros(2)
+    (b if where == "b" else x0)[1] = bad
+    with pytest.raises(ConvergenceError, match=f"{where} hold.* a NaN or infinity") as info:
+        solver(None, lambda v: v, b, x0)
+    assert not info.value.result.converged
+    result = solver(None, lambda v: v, b, x0, raise_on_failure=False)
+    assert not result.converged and not np.isfinite(result.residual_norm)
+    assert result.iterations == 0
+
+
+@pytest.mark.parametrize("solver", [cg, gmres])
+def test_a_non_finite_residual_is_never_converged(solver):
+    # the operator overflows: the residual is infinite, whatever the tolerance
+    result = solver(None, lambda v: v * np.inf, np.array([1.0, 2.0]), np.ones(2),
+                    atol=1e300, raise_on_failure=False)
+    assert not result.converged and not np.isfinite(result.residual_norm)
+
+
+@pytest.mark.parametrize("tiny", [1e-17, 1e-30, 0.0])
+def test_gmres_never_ends_worse_than_its_start_with_a_singular_preconditioner(tiny):
+    a, m = np.diag([2.0, 3.0, 4.0]), np.diag([1.0, 1.0, tiny])
+    b, x0 = np.array([0.0, 1.0, 1.0]), np.array([1.0, 0.0, 0.0])
+    result = gmres(None, lambda v: a @ v, b, x0, precondition=lambda v: m @ v,
+                   rtol=1e-15, atol=0.0, raise_on_failure=False)
+    assert result.residual_norm <= residual_norm(a, x0, b)
+    assert result.residual_norm == pytest.approx(residual_norm(a, result.x, b))
+    if tiny == 0.0:  # the third entry of b is out of reach: the best is a residual of 1
+        assert not result.converged and result.residual_norm == pytest.approx(1.0)
+        with pytest.raises(ConvergenceError, match="stagnation|breakdown"):
+            gmres(None, lambda v: a @ v, b, x0, precondition=lambda v: m @ v, rtol=1e-15)
+    else:  # M is nonsingular, only badly scaled: GMRES solves it
+        assert result.converged
+
+
+def test_gmres_restarts_never_make_the_residual_worse():
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        a = rng.standard_normal((6, 6))
+        q = np.linalg.qr(rng.standard_normal((6, 6)))[0]
+        d = np.ones(6)
+        d[rng.integers(6)] = 10.0 ** float(rng.integers(-40, 0))
+        m = q @ np.diag(d) @ q.T  # nearly singular
+        b, x0 = rng.standard_normal(6), rng.standard_normal(6)
+        result = gmres(None, lambda v, a=a: a @ v, b, x0, precondition=lambda v, m=m: m @ v,
+                       restart=int(rng.integers(1, 6)), rtol=1e-14, raise_on_failure=False)
+        assert result.residual_norm <= residual_norm(a, x0, b)
+        assert result.residual_norm == pytest.approx(residual_norm(a, result.x, b),
+                                                     rel=1e-9, abs=1e-12)
+
+
+def test_gmres_reports_a_breakdown_on_an_operator_that_maps_the_residual_to_zero():
+    with pytest.raises(ConvergenceError, match="breakdown at iteration 1.*singular") as info:
+        gmres(None, lambda v: 0.0 * v, np.ones(4))
+    np.testing.assert_array_equal(info.value.result.x, np.zeros(4))
+
+
+def test_gmres_keeps_its_best_iterate_where_the_update_is_not_finite():
+    calls = []
+
+    def precondition(v):  # the final update of the first cycle overflows
+        calls.append(1)
+        return v if len(calls) <= 4 else np.full_like(v, np.inf)
+
+    def matvec(v):
+        with np.errstate(all="ignore"):  # (inf - inf in the product: NaN, no warning)
+            return a @ v
+
+    a, b = nonsymmetric(4)
+    x0 = np.linalg.solve(a, b) + 1e-3
+    result = gmres(None, matvec, b, x0, precondition=precondition, restart=4,
+                   raise_on_failure=False)
+    assert not result.converged and np.all(np.isfinite(result.x))
+    np.testing.assert_array_equal(result.x, x0)
+    assert result.residual_norm == pytest.approx(residual_norm(a, x0, b))
+    calls.clear()
+    with pytest.raises(ConvergenceError, match="breakdown at iteration 4: a NaN or infinity"):
+        gmres(None, matvec, b, x0, precondition=precondition, restart=4)

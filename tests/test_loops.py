@@ -100,6 +100,71 @@ def test_operators_in_loops_branches_and_checkpoints_are_lean_and_exact(name):
     assert all(c.ok for c in problem.check_totals().values())
 
 
+def nestings(f):
+    """name -> model of (u, k) on `f`: the model's transformations nested both ways,
+    with unused and duplicated outputs."""
+    xs = jnp.linspace(0.5, 1.5, 4)
+
+    def checkpoint_of_scan(u, k):  # (y's totals need none of the forward's values)
+        body = jax.checkpoint(lambda v: lax.scan(lambda c, _: (f(c), None), v, None,
+                                                 length=3)[0])
+        return {"y": body(u) + k, "f": jnp.sum(body(u) * k)}
+
+    def checkpoint_of_scan_with_duplicated_outputs(u, k):
+        body = jax.checkpoint(lambda v, xs: lax.scan(
+            lambda c, x: (f(c) * x * k, (f(c), f(c))), v, xs))
+        carry, (first, _) = body(u, xs)  # the second stack unused
+        return {"f": jnp.sum(first ** 2), "g": jnp.sum(carry)}
+
+    def scan_of_checkpoint_with_duplicated_outputs(u, k):
+        step = jax.checkpoint(lambda c, x: (f(c) * x, (f(c) * k, f(c))))
+        _, (_, second) = lax.scan(step, u, xs)  # the carry and the first stack unused
+        return {"f": jnp.sum(second * k)}
+
+    def checkpoint_of_scan_of_cond(u, k):
+        step = lambda c, x: (lax.cond(x > 1.0, f, lambda v: f(f(v)) * k, c), f(c))  # noqa: E731
+        carry, ys = jax.checkpoint(lambda v: lax.scan(step, v, xs))(u)
+        return {"f": jnp.sum(carry ** 2) + jnp.sum(ys)}
+
+    def scan_of_checkpoint_of_cond(u, k):
+        def branch(v):
+            return lax.cond(v.sum() > 0.0, lambda w: (f(w), f(w)), lambda w: (w, f(w)), v)
+
+        step = jax.checkpoint(lambda c, x: (branch(c)[0] * x, branch(c * k)))
+        carry, (_, second) = lax.scan(step, u, xs)
+        return {"f": jnp.sum(carry) + jnp.sum(second ** 2)}
+
+    def cond_of_checkpoint_of_scan(u, k):
+        looped = jax.checkpoint(lambda v: lax.scan(lambda c, _: (f(c) * k, f(c)), v, None,
+                                                   length=2))
+        carry, ys = lax.cond(k > 0, looped, lambda v: (f(v), jnp.stack([v, v])), u)
+        return {"f": jnp.sum(carry) * jnp.sum(ys[1])}
+
+    return {model.__name__: model for model in (
+        checkpoint_of_scan, checkpoint_of_scan_with_duplicated_outputs,
+        scan_of_checkpoint_with_duplicated_outputs, checkpoint_of_scan_of_cond,
+        scan_of_checkpoint_of_cond, cond_of_checkpoint_of_scan)}
+
+
+@pytest.mark.parametrize("name", list(nestings(wave)))
+def test_checkpoints_and_scans_nested_both_ways_give_jax_values_and_totals(name):
+    model, reference = nestings(Wave({}))[name], nestings(wave)[name]
+    inputs = {"u": np.linspace(0.1, 0.9, 5), "k": np.array(0.9)}
+    problem = distop.Problem(model, inputs)
+    values = reference(**{k: jnp.asarray(v) for k, v in inputs.items()})
+    for out in values:
+        jacobians = jax.jacrev(lambda u, k, out=out: reference(u, k)[out], argnums=(0, 1))(
+            *inputs.values())
+        np.testing.assert_allclose(problem.run()[out], values[out], rtol=1e-13)
+        for mode in ("batched", "loop", "unrolled"):
+            J = problem.compute_totals(of=out, mode=mode)
+            for name, want in zip(inputs, jacobians):
+                np.testing.assert_allclose(J[out, name], np.reshape(want, J[out, name].shape),
+                                           rtol=1e-12, atol=1e-15)
+        values_and_totals = problem.run_and_compute_totals(of=out)
+        np.testing.assert_allclose(values_and_totals[0][out], values[out], rtol=1e-13)
+
+
 def test_a_checkpointed_operator_runs_again_once_per_recomputation():
     calls = {}
     model = models(Wave(calls))["checkpointed"][0]

@@ -408,3 +408,76 @@ def test_messages_say_what_to_return_and_why_inputs_are_read_only():
                                                    r"ValueError: .*read-only.*read-only by "
                                                    r"design.*x = x.copy\(\)"):
         distop.Problem(lambda x: {"y": InPlace()(x)}, {"x": np.ones(8)}).run()
+
+
+class ForwardCube(Cube):
+    def jvp(self, comm, tangent, x):
+        return 3 * x ** 2 * tangent
+
+
+class OrderedCube(Cube):
+    ordered = True  # (as an operator that communicates on P > 1, outside a Problem)
+
+
+@pytest.mark.parametrize("make", [Cube, OrderedCube, ForwardCube, distop.AllreduceSum],
+                         ids=["user", "ordered user", "user with jvp", "built-in"])
+def test_a_discarded_derivative_of_a_derivative_raises_nothing(make):
+    op = make()
+    f = lambda x: jnp.sum(op(x) ** 2)  # noqa: E731
+    ref = lambda x: jnp.sum((x ** 3 if make is not distop.AllreduceSum else x) ** 2)  # noqa: E731
+    outer = lambda f: lambda x: jax.value_and_grad(f)(x)[0]  # noqa: E731  (grad unused)
+    want = jax.grad(ref)(X)
+    np.testing.assert_allclose(jax.grad(outer(f))(X), want, rtol=1e-13)
+    np.testing.assert_allclose(jax.jit(jax.grad(outer(f)))(X), want, rtol=1e-13)
+    np.testing.assert_allclose(jax.vmap(jax.grad(outer(f)))(np.stack([X, 2 * X]))[0], want,
+                               rtol=1e-13)
+    for backend in ("lean", "io_callback"):
+        problem = distop.Problem(lambda x: {"f": outer(f)(x)}, {"x": X}, backend=backend)
+        np.testing.assert_allclose(problem.compute_totals()["f", "x"][0], want, rtol=1e-13)
+
+
+@pytest.mark.parametrize("make", [ForwardCube, distop.AllreduceSum], ids=["user", "built-in"])
+def test_a_derivative_of_a_derivative_evaluated_raises(make):
+    op = make()
+    f = lambda x: jnp.sum(op(x) ** 2)  # noqa: E731
+    evaluated = {
+        "hessian": jax.hessian(f), "jit hessian": jax.jit(jax.hessian(f)),
+        "grad of grad": jax.grad(lambda x: jax.grad(f)(x)[0]),
+        "jit grad of grad": jax.jit(jax.grad(lambda x: jax.grad(f)(x)[0])),
+        "jacfwd of grad": jax.jacfwd(jax.grad(f)),
+        "times zero": jax.grad(lambda x: 0.0 * jax.grad(f)(x)[0] + f(x)),
+    }
+    for name, fn in evaluated.items():
+        with pytest.raises(distop.SecondDerivativeError, match="derivatives of a derivative"):
+            fn(X)
+            pytest.fail(f"{name}: no error")
+
+
+def test_jax_refusing_ordered_calls_raises_distops_error_naming_the_operator_and_the_fix():
+    op = sin()  # (ordered = True: an io_callback with JAX's ordered effect, as on P > 1)
+    f = lambda x: jnp.sum(jax.checkpoint(op)(x))  # noqa: E731
+    with pytest.raises(distop.OrderedEffectError, match=r"OrderedSin.forward on rank 0 is "
+                       r"called inside jax.checkpoint.*To fix: call the model inside a "
+                       r"distop.Problem.*or call the operator outside jax.checkpoint"):
+        jax.grad(f)(X)
+    with pytest.raises(NotImplementedError, match="jax.checkpoint"):  # (JAX's own kind)
+        jax.jit(jax.grad(f))(X)
+    np.testing.assert_allclose(jax.checkpoint(op)(X), 2.0 * np.sin(X))  # (no derivative)
+    problem = distop.Problem(lambda x: {"f": f(x)}, {"x": X})  # the fix
+    np.testing.assert_allclose(problem.compute_totals()["f", "x"][0], 2.0 * np.cos(X))
+
+    def branch(x):
+        return jnp.sum(lax.cond(x[0] > 0, op, lambda v: v, x))
+
+    with pytest.raises(distop.OrderedEffectError, match=r"OrderedSin.\w+ on rank 0 is "
+                       r"called inside lax.cond.*jnp.where"):
+        jax.vmap(jax.grad(branch))(np.stack([X, -X]))
+    with pytest.raises(distop.OrderedEffectError, match="inside lax.while_loop"):
+        jax.vmap(lambda x: lax.while_loop(lambda c: c[0] < 2.0, lambda c: op(c) + 1.0, x))(
+            np.stack([X, X]))
+    unordered = sin(ordered=False)  # (nothing refused: JAX's own errors stay its own)
+    got = jax.vmap(lambda x: lax.cond(x[0] > 0, unordered, lambda v: v, x))(np.stack([X, -X]))
+    np.testing.assert_allclose(got, np.stack([2.0 * np.sin(X), -X]))
+    problem = distop.Problem(lambda x: {"f": jax.vmap(jax.grad(branch))(x)},
+                             {"x": np.stack([X, -X])})
+    np.testing.assert_allclose(problem.run()["f"][0], 2.0 * np.cos(X))

@@ -277,3 +277,43 @@ def test_forward_sweeps_need_every_operator_to_have_a_jvp():
     problem2 = distop.Problem(lambda u: {"s": jnp.sum(NoJvp()(u))}, {"u": np.ones(3)})
     np.testing.assert_array_equal(problem2.compute_totals(direction="auto")["s", "u"],
                                   2 * np.ones((1, 3)))
+
+
+class Stencil(distop.DistributedOperator):
+    """y = x[:-2] + middle x[1:-1] + x[2:]: a cancellation of larger terms where middle
+    is -2 (the vjp takes `middle` as given: a wrong Jacobian where it differs)."""
+
+    middle: float = -2.0
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct((x.shape[0] - 2,), x.dtype)
+
+    def forward(self, comm, x):
+        return x[:-2] - 2 * x[1:-1] + x[2:]
+
+    def vjp(self, comm, y_bar, x):
+        x_bar = np.zeros_like(x)
+        x_bar[:-2] += y_bar
+        x_bar[1:-1] += self.middle * y_bar
+        x_bar[2:] += y_bar
+        return x_bar
+
+
+@pytest.mark.parametrize("bits", [32, 64])
+def test_an_exact_jacobian_of_a_cancellation_passes_at_the_default_settings(bits):
+    x = np.arange(1.0, 2.3, 0.25)  # [1, 1.25, ..., 2.25]: y = 0, its terms about 2
+    with jax.enable_x64(bits == 64):
+        dtype = np.float32 if bits == 32 else np.float64
+        for model in (lambda x: {"y": x[:-2] - 2 * x[1:-1] + x[2:]},
+                      lambda x: {"y": Stencil()(x)}):
+            problem = distop.Problem(model, {"x": x.astype(dtype)})
+            r = problem.check_totals(out_stream=None)["y", "x"]
+            assert r.ok, (r.abs_error, r.allowed)
+            # at a step the rounding does not swamp, the allowance is small
+            r = problem.check_totals(out_stream=None, step=1e-2 if bits == 32 else 1e-6)
+            assert r["y", "x"].ok and r["y", "x"].allowed < 1e-3
+        for middle, step in [(2.0, 1e-6), (-1.98, 1e-2 if bits == 32 else 1e-6)]:
+            wrong = distop.Problem(lambda x: {"y": Stencil(middle)(x)},  # noqa: B023
+                                   {"x": x.astype(dtype)})
+            r = wrong.check_totals(out_stream=None, step=step)["y", "x"]
+            assert not r.ok, (middle, step, r.abs_error, r.allowed)

@@ -18,6 +18,7 @@ from typing import Any
 from jax.extend.core import (
     ClosedJaxpr,
     DebugInfo,
+    DropVar,
     Jaxpr,
     JaxprEqn,
     Literal,
@@ -65,8 +66,14 @@ def _thread(eqns: Sequence[JaxprEqn], token: Var, constvars: list[Var],
     out: list[JaxprEqn] = []
     for eqn in eqns:
         if is_lean(eqn):
-            out.append(eqn.replace(invars=[token, *eqn.invars[1:]]))
-            token = eqn.outvars[0]
+            # (a placeholder's token nothing read was traced as a dropped variable `_`;
+            # the chain reads it now)
+            after = eqn.outvars[0]
+            if isinstance(after, DropVar):
+                after = Var(after.aval)
+            out.append(eqn.replace(invars=[token, *eqn.invars[1:]],
+                                   outvars=[after, *eqn.outvars[1:]]))
+            token = after
         elif not has_lean(eqn):
             out.append(eqn)
         elif eqn.primitive.name in _INLINED:
@@ -161,6 +168,8 @@ def _inlined(eqn: JaxprEqn, constvars: list[Var], consts: list[Any]) -> list[Jax
     rename.update(zip(jaxpr.invars, eqn.invars[len(eqn.invars) - len(jaxpr.invars):]))
     copies = []  # results that are not made by an equation of their own in the body
     for result, value in zip(eqn.outvars, jaxpr.outvars):
+        if isinstance(result, DropVar):
+            continue  # (unused: the body's value keeps a variable of its own)
         if isinstance(value, Var) and value not in rename:
             rename[value] = result
         else:

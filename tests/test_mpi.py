@@ -1,4 +1,5 @@
-"""Multi-rank tests: each launch runs a group of cases from mpi_cases.py on 2 and 4 ranks."""
+"""Multi-rank tests: the tests of tests/mpi in one launch per number of ranks (2 and 4),
+and in the launches that need a setting read at start-up; the examples; the launcher."""
 
 import importlib.util
 import json
@@ -7,44 +8,41 @@ import re
 import time
 
 import pytest
-from helpers import ROOT, TESTS, run_mpi
+from helpers import CORE, ROOT, SUITE_TIMEOUT, run_mpi, run_tests
 
 from distop._profile_report import check_trace
 
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT)
 @pytest.mark.parametrize("nprocs", [2, 4])
-@pytest.mark.parametrize("group", ["core", "matvec", "linalg", "collectives"])
-def test_cases(group, nprocs):
-    run_mpi(nprocs, TESTS / "mpi_cases.py", group, timeout=300)
+def test_cases(nprocs):
+    run_tests(nprocs)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_a_hung_case_ends_its_launch_with_where_every_rank_stands(nprocs):
     started = time.monotonic()
-    code, out = run_mpi(nprocs, TESTS / "mpi_cases.py", "hangs", timeout=90,
-                        expect_ok=False, env={"DISTOP_TEST_CASE_LIMIT": "5"})
+    code, out = run_tests(nprocs, "test_hang.py", timeout=90, expect_ok=False,
+                          env={"DISTOP_TEST_HANGS": "1", "DISTOP_TEST_CASE_LIMIT": "5"})
     assert code != 0 and time.monotonic() - started < 60, out
+    hung = "tests/mpi/test_hang.py::test_a_case_that_hangs still running after 5 s"
     for r in range(nprocs):
-        assert f"rank {r} of {nprocs}: a_case_that_hangs still running after 5 s" in out, out
-    assert "in a_case_that_hangs" in out, out  # (the stacks)
+        assert f"rank {r} of {nprocs}: {hung}" in out, out
+    assert "in test_a_case_that_hangs" in out, out  # (the stacks)
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT)
 def test_cases_on_the_io_callback_backend():
-    run_mpi(2, TESTS / "mpi_cases.py", "core", "matvec", timeout=300,
-            env={"DISTOP_BACKEND": "io_callback"})
+    run_tests(2, *CORE, "test_matvec.py", env={"DISTOP_BACKEND": "io_callback"})
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT)
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_cases_with_jax_async_dispatch(nprocs):
-    run_mpi(nprocs, TESTS / "mpi_cases.py", "async", timeout=300,
-            env={"DISTOP_ASYNC_DISPATCH": "1"})
-
-
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_distributed_cases(nprocs):
-    run_mpi(nprocs, TESTS / "mpi_distributed.py", timeout=300)
+    # (read when JAX's CPU client starts: a launch of its own)
+    run_tests(nprocs, "-m", "async_dispatch", env={"DISTOP_ASYNC_DISPATCH": "1"})
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

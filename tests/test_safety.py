@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, TESTS, run_mpi
+from helpers import CORE, ROOT, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
 import distop
 from distop import _config, _watchdog
@@ -108,10 +108,9 @@ def test_a_failure_is_reported_once_and_every_other_rank_says_why_it_stops(
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("script, args", [("mpi_cases.py", ("core",)),
-                                          ("mpi_distributed.py", ())])
-def test_checking_mode_passes_correct_programs(script, args):
-    run_mpi(2, TESTS / script, *args, timeout=300, env={"DISTOP_CHECK_COLLECTIVES": "1"})
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_checking_mode_passes_correct_programs():
+    run_tests(2, *CORE, "test_distributed.py", env={"DISTOP_CHECK_COLLECTIVES": "1"})
 
 
 @pytest.mark.parametrize("env, library, world, expected", [

@@ -340,7 +340,8 @@ def run_tests(nprocs, *args, timeout=900, expect_ok=True, env=None):
     files = [str(MPI_TESTS / a) for a in args if a.endswith(".py")] or [str(MPI_TESTS)]
     options = [a for a in args if not a.endswith(".py")]
     cache = ["-p", "no:cacheprovider"] if env else ["-o", f"cache_dir=.pytest_cache/mpi-{nprocs}"]
-    return run_mpi(nprocs, "-m", "pytest", *files, *cache, *options, timeout=timeout,
+    # (-v: rank 0 names each test as it starts, so a launch that aborts names its test)
+    return run_mpi(nprocs, "-m", "pytest", "-v", *files, *cache, *options, timeout=timeout,
                    expect_ok=expect_ok, env=env)
 
 

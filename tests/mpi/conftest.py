@@ -43,8 +43,10 @@ def pytest_configure(config):
 
 
 def _say(text):
-    """Print `text` on this rank's own output, past pytest's capture."""
-    print(text, file=sys.__stdout__, flush=True)
+    """Print `text` on this rank's own output, past pytest's capture, in one write (so
+    that mpiexec does not interleave it with another rank's lines)."""
+    sys.__stdout__.write(text + "\n")
+    sys.__stdout__.flush()
 
 
 def pytest_collectreport(report):

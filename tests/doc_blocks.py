@@ -13,10 +13,10 @@ masked (the digits differ between machines and versions, the words and rows do n
 The docstrings of the public API hold Python blocks too (the API pages show them); they
 run in one process, each in a namespace of its own.
 
-`python tests/doc_blocks.py PAGE P` runs the blocks of PAGE marked for P ranks (P=1:
-the unmarked ones), and `python tests/doc_blocks.py --docstrings` the docstrings' blocks;
-then each prints this rank's success line. A failing block prints its traceback and
-aborts the job.
+`python tests/doc_blocks.py PAGE... P` runs the blocks of each PAGE marked for P ranks
+(P=1: the unmarked ones), a page at a time, each page's output in a frame of its own;
+`python tests/doc_blocks.py --docstrings` runs the docstrings' blocks. Then each prints
+this rank's success line. A failing block prints its traceback and aborts the job.
 """
 
 import dataclasses
@@ -163,35 +163,65 @@ def run_docstrings():
     print("rank 0 of 1: ok", flush=True)
 
 
-def run(page, ranks):
-    """Run `page`'s blocks for `ranks` ranks in one namespace, in page order."""
+def run(pages_, ranks):
+    """Run the blocks of each page of `pages_` for `ranks` ranks, a page at a time, each in
+    one namespace of its own as in a process of its own, in page order. Rank 0 prints
+    what every rank printed during each page in one frame (`=== page PAGE: begin` ...
+    `=== page PAGE: end`), then every rank its success line."""
+    import contextlib
+    import io
     import traceback
 
+    import jax
     from mpi4py import MPI
 
+    import distop
+
     comm = MPI.COMM_WORLD
-    scope = {"__name__": "__main__"}
-    where = "?"
-    try:
-        for block in blocks(page):
-            if block.ranks == ranks:
-                where = f"{block.page.relative_to(ROOT)}:{block.line}"
-                # (blank lines first, so that a traceback's line numbers are the page's)
-                code = compile("\n" * (block.line - 1) + block.code,
-                               str(block.page.relative_to(ROOT)), "exec")
-                exec(code, scope)  # noqa: S102 - the docs' own code
-    except BaseException:
-        print(f"rank {comm.rank} of {comm.size}: FAILED in the block at {where}\n"
-              + traceback.format_exc(), flush=True)
-        if comm.size > 1:
-            comm.Abort(1)
-        sys.exit(1)
-    comm.Barrier()  # (every block's output first, then the success lines)
+    for page in pages_:
+        where, printed = "?", io.StringIO()
+        settings = distop.configure()
+        saved = {"check_collectives": settings.check_collectives, "watchdog": settings.watchdog}
+        jax.config.update("jax_enable_x64", False)  # JAX's default, as in a new process
+        scope = {"__name__": "__main__"}
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                for block in blocks(page):
+                    if block.ranks == ranks:
+                        where = f"{block.page.relative_to(ROOT)}:{block.line}"
+                        # (blank lines first, so that a traceback's line numbers are the
+                        # page's)
+                        code = compile("\n" * (block.line - 1) + block.code,
+                                       str(block.page.relative_to(ROOT)), "exec")
+                        exec(code, scope)  # noqa: S102 - the docs' own code
+        except BaseException:
+            print(f"{printed.getvalue()}\nrank {comm.rank} of {comm.size}: FAILED in the "
+                  f"block at {where}\n" + traceback.format_exc(), flush=True)
+            if comm.size > 1:
+                comm.Abort(1)
+            sys.exit(1)
+        distop.configure(**saved)
+        texts = comm.gather(printed.getvalue(), root=0)
+        if comm.rank == 0:
+            name = page.relative_to(ROOT)
+            print(f"=== page {name}: begin\n"
+                  + "".join(t if t.endswith("\n") or not t else t + "\n" for t in texts)
+                  + f"=== page {name}: end", flush=True)
+    comm.Barrier()  # (every page's output first, then the success lines)
     print(f"rank {comm.rank} of {comm.size}: ok", flush=True)
+
+
+def frame(printed, page):
+    """**Returns:** what every rank printed while `run` ran `page` (a path under ROOT)."""
+    name = re.escape(str(page))
+    found = re.search(rf"^=== page {name}: begin\n(.*?)^=== page {name}: end$", printed,
+                      re.MULTILINE | re.DOTALL)
+    assert found, f"no output of {page}:\n{printed}"
+    return found.group(1)
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--docstrings"]:
         run_docstrings()
-    else:
-        run(ROOT / sys.argv[1], int(sys.argv[2]))
+    else:  # (PAGE... RANKS)
+        run([ROOT / page for page in sys.argv[1:-1]], int(sys.argv[-1]))

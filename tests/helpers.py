@@ -1,5 +1,6 @@
 """Shared test operators and the MPI launcher used by the tests."""
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -10,6 +11,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
@@ -98,6 +100,94 @@ class RowScale(distop.DistributedOperator):
         return self.c * total / comm.Get_size()  # (replicated cotangents: c * y_bar)
 
 
+# -- what the MPI tests share (tests/mpi, tests/mpi_failures.py) ---------------------
+# Blocks are uneven, and rank 1 owns none from 2 ranks on; on one rank, one block of 4.
+size = MPI.COMM_WORLD.size
+BLOCKS = [(3, 0, 2, 1)[r % 4] for r in range(size)] if size > 1 else [4]
+STARTS = [sum(BLOCKS[:r]) for r in range(size)]
+ROWS = sum(BLOCKS)
+
+
+def smooth(v):
+    """A nonlinear map, increasing on [-2, 2]: keeps ties and zeros of its input."""
+    return jnp.sin(v) + 0.5 * v
+
+
+def own(p, r, length, offset=0):
+    """Rank r's rank-local part of p: `length` entries after `offset`, through `smooth`."""
+    return smooth(p[offset + r * length:offset + (r + 1) * length])
+
+
+def block(p, r, offset=0, width=1):
+    """Rank r's block of a distributed (ROWS, width) array stored in p after `offset`."""
+    rows = p[offset + STARTS[r] * width:offset + (STARTS[r] + BLOCKS[r]) * width]
+    return smooth(rows).reshape(BLOCKS[r], width)
+
+
+def even_rows(total):
+    """**Returns:** the rows per rank of `total` split as evenly as possible."""
+    return distop.Split().rows(size, total)
+
+
+class Stencil(distop.DistributedOperator):
+    """y_i = x_(i-1) + x_i + x_(i+1) over the global vector (zero beyond its ends), each
+    rank holding a block of rows: a halo exchange of one row with each neighbour
+    (Sendrecv). The stencil is symmetric, so its VJP is itself."""
+
+    forward_collectives = ("Sendrecv",)
+    vjp_collectives = ("Sendrecv",)
+
+    def forward(self, comm, x):
+        r, p = comm.Get_rank(), comm.Get_size()
+        left, right = (r - 1 if r > 0 else MPI.PROC_NULL), (r + 1 if r < p - 1 else MPI.PROC_NULL)
+        from_left, from_right = np.zeros(1), np.zeros(1)
+        comm.Sendrecv(x[-1:].copy(), dest=right, recvbuf=from_left, source=left)
+        comm.Sendrecv(x[:1].copy(), dest=left, recvbuf=from_right, source=right)
+        padded = np.concatenate([from_left, x, from_right])
+        return padded[:-2] + padded[1:-1] + padded[2:]
+
+    def vjp(self, comm, y_bar, x):
+        return self.forward(comm, y_bar)
+
+
+class Coupled(distop.ImplicitOperator):
+    """y with R(y, b, k) = k y + sum(y) - b = 0 over the global vector (the matrix
+    k I + 1 1^T, coupling every rank), solved in closed form with one Allreduce; its
+    adjoint is the same solve (the matrix is symmetric), batched over the seeds."""
+
+    solve_collectives = adjoint_collectives = residual_collectives = ("Allreduce",)
+    batched_adjoint = True
+    fail: str = ""  # the method that fails on the last rank, for tests/mpi_failures.py
+
+    def _solve(self, comm, rhs, k):
+        """(k I + 1 1^T)^-1 rhs, rows of a batch at once."""
+        sums = np.array([rhs.sum(axis=-1), np.full(rhs.shape[:-1], rhs.shape[-1], float)])
+        total = np.empty_like(sums)
+        comm.Allreduce(sums, total, op=MPI.SUM)
+        s = total[0] / (k + total[1])
+        return (rhs - s[..., None]) / k
+
+    def solve(self, comm, b, k):
+        _maybe_fail(self, comm, "solve")
+        return self._solve(comm, b, k)
+
+    def solve_adjoint(self, comm, y_bar, y, b, k):
+        _maybe_fail(self, comm, "solve_adjoint")
+        return self._solve(comm, y_bar, k)
+
+    def residual_vjp(self, comm, lam, y, b, k):
+        k_bar = np.empty(lam.shape[0])
+        comm.Allreduce(np.ascontiguousarray(lam @ y), k_bar, op=MPI.SUM)
+        if self.fail == "residual_vjp" and comm.Get_rank() == comm.Get_size() - 1:
+            return -lam[:, :-1], k_bar
+        return -lam, k_bar
+
+
+def _maybe_fail(op, comm, method):
+    if op.fail == method and comm.Get_rank() == comm.Get_size() - 1:
+        raise RuntimeError(f"{method} did not converge in 50 iterations")
+
+
 def totals_jaxpr(problem):
     """**Returns:** the jaxpr of `problem`'s default `compute_totals` program (after
     distop's rewrites), and the host calls in it (fused calls' members), in order."""
@@ -131,6 +221,18 @@ def loops_since(before):
 
     return [c for k, c in _ffi._calls.items()
             if k not in before and isinstance(c, RolledCall)]
+
+
+def mpi_tests(name):
+    """**Returns:** the tests of `tests/mpi/<name>.py`, in file order, as parameters of a
+    test that runs them in one process (each named without its `test_`)."""
+    import pytest
+
+    spec = importlib.util.spec_from_file_location(f"mpi_{name}", TESTS / "mpi" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [pytest.param(f, id=n[len("test_"):]) for n, f in vars(module).items()
+            if n.startswith("test_") and callable(f)]
 
 
 # -- launching MPI jobs ---------------------------------------------------------------
@@ -186,6 +288,9 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     """
     command, launch_env = launcher()
     cmd = [*command, "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
+    if os.environ.get("DISTOP_TEST_LAUNCH_LOG"):  # (to count the launches of a run)
+        with open(os.environ["DISTOP_TEST_LAUNCH_LOG"], "a") as log:
+            log.write(" ".join(cmd[1:]) + "\n")
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                        PYTHONPATH=os.pathsep.join([str(TESTS), str(EXAMPLES), str(ROOT)]),
                        **launch_env)
@@ -209,10 +314,41 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     return proc.returncode, output
 
 
+MPI_TESTS = TESTS / "mpi"
+# the files of tests/mpi that were one group before: what the io_callback backend and the
+# checking mode are run on
+CORE = ("test_order.py", "test_agreement.py", "test_programs.py")
+# seconds: a whole launch of tests/mpi, before the load factor (pytest's own limit is
+# above the most that can make)
+SUITE_TIMEOUT = 4000
+
+
+def run_tests(nprocs, *args, timeout=900, expect_ok=True, env=None):
+    """Run the tests of tests/mpi on every rank of one `mpiexec -n nprocs python -m
+    pytest` (see tests/mpi/conftest.py), through `run_mpi`.
+
+    **Arguments:**
+    - `nprocs`: number of ranks.
+    - `args`: files of tests/mpi (all of them if none) and pytest options.
+    - `timeout`, `expect_ok`: as `run_mpi`'s; every rank's `ok` line is its pytest's
+      exit status 0.
+    - `env`: extra environment variables. A launch with none keeps what failed for
+      `--lf` in `.pytest_cache/mpi-<nprocs>`; the others keep nothing.
+
+    **Returns:** `(returncode, output)` of the launch.
+    """
+    files = [str(MPI_TESTS / a) for a in args if a.endswith(".py")] or [str(MPI_TESTS)]
+    options = [a for a in args if not a.endswith(".py")]
+    cache = ["-p", "no:cacheprovider"] if env else ["-o", f"cache_dir=.pytest_cache/mpi-{nprocs}"]
+    # (-v: rank 0 names each test as it starts, so a launch that aborts names its test)
+    return run_mpi(nprocs, "-m", "pytest", "-v", *files, *cache, *options, timeout=timeout,
+                   expect_ok=expect_ok, env=env)
+
+
 # seconds: a case still running then has hung (each takes a few seconds on an idle
 # machine); scaled by the machine's load when the case starts, unless set
 CASE_LIMIT = float(os.environ.get("DISTOP_TEST_CASE_LIMIT", 100))
-_SCALED = "DISTOP_TEST_CASE_LIMIT" not in os.environ
+SCALED = "DISTOP_TEST_CASE_LIMIT" not in os.environ
 
 
 def run_cases(cases, comm=None):
@@ -226,8 +362,8 @@ def run_cases(cases, comm=None):
     try:
         for fn in cases:
             name = fn.__name__
-            limit = CASE_LIMIT * (load_factor() if _SCALED else 1.0)
-            timer = threading.Timer(limit, _hung, (comm, name, limit))
+            limit = CASE_LIMIT * (load_factor() if SCALED else 1.0)
+            timer = threading.Timer(limit, hung, (comm, name, limit))
             timer.daemon = True
             timer.start()
             try:
@@ -242,7 +378,7 @@ def run_cases(cases, comm=None):
     finish(comm)
 
 
-def _hung(comm, name, limit):
+def hung(comm, name, limit):
     """A case's watchdog: print where this rank stands (every thread's stack), give the
     other ranks' watchdogs a moment to print theirs, and abort the job."""
     import faulthandler

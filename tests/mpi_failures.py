@@ -89,14 +89,14 @@ def main(scenario):
             sys.exit(0)
         distop.Problem(lambda x: {"f": jnp.sum(x)}, {"x": x}).run()
     elif scenario == "undeclared_point_to_point":  # (a halo exchange declared as local)
-        from mpi_cases import Stencil
+        from helpers import Stencil
 
         class Local(Stencil):
             forward_collectives = vjp_collectives = ()
 
         distop.Problem(lambda x: {"y": Local()(x)}, {"x": x}, distributed=["x", "y"]).run()
     elif scenario.startswith("implicit_"):  # ("implicit_" + the method that fails)
-        from mpi_cases import Coupled
+        from helpers import Coupled
 
         op = Coupled(fail=scenario[len("implicit_"):])
         problem = distop.Problem(lambda b: {"f": distop.AllreduceSum()(jnp.sum(op(b, 2.0)))},

@@ -1,16 +1,16 @@
 """The built-in collectives in a single process: the dense-reference cases that
-tests/test_mpi.py runs on 2 and 4 ranks, and the errors of their arguments."""
+tests/mpi/test_builtin_collectives.py runs on 2 and 4 ranks, and the errors of their arguments."""
 
 import jax
 import jax.numpy as jnp
-import mpi_cases
 import numpy as np
 import pytest
+from helpers import mpi_tests
 
 import distop
 
 
-@pytest.mark.parametrize("case", mpi_cases.CASES["collectives"], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("case", mpi_tests("test_builtin_collectives"))
 def test_case(case):
     case()
 

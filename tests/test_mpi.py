@@ -1,4 +1,5 @@
-"""Multi-rank tests: each launch runs a group of cases from mpi_cases.py on 2 and 4 ranks."""
+"""Multi-rank tests: the tests of tests/mpi in one launch per number of ranks (2 and 4),
+and in the launches that need a setting read at start-up; the examples; the launcher."""
 
 import importlib.util
 import json
@@ -7,87 +8,136 @@ import re
 import time
 
 import pytest
-from helpers import ROOT, TESTS, run_mpi
+from helpers import CORE, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
 from distop._profile_report import check_trace
 
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT)
 @pytest.mark.parametrize("nprocs", [2, 4])
-@pytest.mark.parametrize("group", ["core", "matvec", "linalg", "collectives"])
-def test_cases(group, nprocs):
-    run_mpi(nprocs, TESTS / "mpi_cases.py", group, timeout=300)
+def test_cases(nprocs):
+    run_tests(nprocs)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_a_hung_case_ends_its_launch_with_where_every_rank_stands(nprocs):
     started = time.monotonic()
-    code, out = run_mpi(nprocs, TESTS / "mpi_cases.py", "hangs", timeout=90,
-                        expect_ok=False, env={"DISTOP_TEST_CASE_LIMIT": "5"})
+    code, out = run_tests(nprocs, "test_hang.py", timeout=90, expect_ok=False,
+                          env={"DISTOP_TEST_HANGS": "1", "DISTOP_TEST_CASE_LIMIT": "5"})
     assert code != 0 and time.monotonic() - started < 60, out
+    hung = "tests/mpi/test_hang.py::test_a_case_that_hangs still running after 5 s"
     for r in range(nprocs):
-        assert f"rank {r} of {nprocs}: a_case_that_hangs still running after 5 s" in out, out
-    assert "in a_case_that_hangs" in out, out  # (the stacks)
+        assert f"rank {r} of {nprocs}: {hung}" in out, out
+    assert "in test_a_case_that_hangs" in out, out  # (the stacks)
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT)
 def test_cases_on_the_io_callback_backend():
-    run_mpi(2, TESTS / "mpi_cases.py", "core", "matvec", timeout=300,
-            env={"DISTOP_BACKEND": "io_callback"})
+    run_tests(2, *CORE, "test_matvec.py", env={"DISTOP_BACKEND": "io_callback"})
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT)
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_cases_with_jax_async_dispatch(nprocs):
-    run_mpi(nprocs, TESTS / "mpi_cases.py", "async", timeout=300,
-            env={"DISTOP_ASYNC_DISPATCH": "1"})
+    # (read when JAX's CPU client starts: a launch of its own)
+    run_tests(nprocs, "-m", "async_dispatch", env={"DISTOP_ASYNC_DISPATCH": "1"})
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_distributed_cases(nprocs):
-    run_mpi(nprocs, TESTS / "mpi_distributed.py", timeout=300)
-
-
-@pytest.mark.parametrize("nprocs", [2, 4])
-@pytest.mark.parametrize("example, args, tolerance", [
+PLOT = importlib.util.find_spec("matplotlib") is not None
+# each test's runs of the examples: the runs of each rank count share one launch of
+# tests/mpi_examples.py (see `example`)
+SMALL = [
     ("distributed_matvec", ("--objectives", 16, "--repeat", 3), 1e-12),
     ("distributed_least_squares", (), 1e-8),
     ("distributed_transpose", (), 1e-12),
-])
-def test_examples(example, args, tolerance, nprocs):
-    code, out = run_mpi(nprocs, ROOT / "examples" / f"{example}.py", *args, expect_ok=False)
-    assert code == 0, out
+]
+POISSON = [(2, "14,10"), (4, "7,0,10,7")]
+HEAT = [(2, 0), (4, 8)]
+OPTIMIZE = [(1, ""), (2, "9,7"), (4, "5,0,7,4")]
+LOAD_IMBALANCE = [(2, 1), (4, 2)]
+
+
+def _runs(nprocs, folder):
+    """**Returns:** the examples' runs on `nprocs` ranks: (example, arguments)."""
+    runs = [(example, args) for example, args, _ in SMALL if nprocs > 1]
+    runs += [("poisson", ("--n", 24, "--split", split)) for n, split in POISSON if n == nprocs]
+    runs += [("heat_equation", ("--steps", 40, "--n", 11, "--checkpoint-every", every))
+             for n, every in HEAT if n == nprocs]
+    runs += [("optimize", ("--split", split) if split else ())
+             for n, split in OPTIMIZE if n == nprocs]
+    runs += [("load_imbalance", ("--slow-rank", slow, "--factor", 4, "--repeat", 8, "--trace",
+                                 folder / f"trace-{n}.json",
+                                 *(("--plot", folder / "profile.png") if n == 2 and PLOT
+                                   else ())))
+             for n, slow in LOAD_IMBALANCE if n == nprocs]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """`example(name, nprocs)`: **Returns:** `(exit codes, output)` of the example's run
+    on `nprocs` ranks. Every run of that rank count is in one launch, made once."""
+    folder, launches = tmp_path_factory.mktemp("examples"), {}
+
+    def frame(name, nprocs):
+        if nprocs not in launches:
+            argv = [word for each, args in _runs(nprocs, folder) for word in ("--", each, *args)]
+            try:
+                launches[nprocs] = run_mpi(nprocs, TESTS / "mpi_examples.py", *argv[1:],
+                                           timeout=900)[1]
+            except AssertionError as failed:  # (every test of the launch fails, as it did)
+                launches[nprocs] = failed
+        out = launches[nprocs]
+        if isinstance(out, AssertionError):
+            raise out
+        found = re.search(rf"^=== example {name}: begin\n(.*?)^=== example {name}: exit "
+                          r"codes \[([\d, ]*)\]$", out, re.MULTILINE | re.DOTALL)
+        assert found, out
+        return [int(c) for c in found.group(2).split(",")], found.group(1)
+
+    frame.folder = folder
+    return frame
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("example_name, args, tolerance", SMALL)
+def test_examples(example_name, args, tolerance, nprocs, example):
+    codes, out = example(example_name, nprocs)
+    assert codes == [0] * nprocs, out
     match = re.search(r"max relative error (\S+)", out)
     assert match and float(match.group(1)) <= tolerance, out
 
 
-@pytest.mark.parametrize("nprocs, split", [(2, "14,10"), (4, "7,0,10,7")])
-def test_poisson_example(nprocs, split):
-    code, out = run_mpi(nprocs, ROOT / "examples" / "poisson.py", "--n", 24, "--split",
-                        split, expect_ok=False)
-    assert code == 0, out
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.parametrize("nprocs, split", POISSON)
+def test_poisson_example(nprocs, split, example):
+    codes, out = example("poisson", nprocs)
+    assert codes == [0] * nprocs, out
     match = re.search(r"max relative error (\S+)", out)
     assert match and float(match.group(1)) <= 1e-8, out
     assert "check_totals on a 8 x 8 grid: ok" in out, out
 
 
-@pytest.mark.parametrize("nprocs, every", [(2, 0), (4, 8)])
-def test_heat_equation_example(nprocs, every):
-    code, out = run_mpi(nprocs, ROOT / "examples" / "heat_equation.py", "--steps", 40,
-                        "--n", 11, "--checkpoint-every", every, expect_ok=False)
-    assert code == 0, out
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.parametrize("nprocs, every", HEAT)
+def test_heat_equation_example(nprocs, every, example):
+    codes, out = example("heat_equation", nprocs)
+    assert codes == [0] * nprocs, out
     match = re.search(r"max relative error (\S+)", out)
     assert match and float(match.group(1)) <= 1e-10, out
     assert "check_totals passed" in out, out
     assert ("checkpoint/scan[8]" in out) == bool(every), out
 
 
-def test_optimize_example_takes_the_same_steps_on_any_number_of_ranks():
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_optimize_example_takes_the_same_steps_on_any_number_of_ranks(example):
     found = []
-    for nprocs, split in [(1, ""), (2, "9,7"), (4, "5,0,7,4")]:
-        args = ("--split", split) if split else ()
-        code, out = run_mpi(nprocs, ROOT / "examples" / "optimize.py", *args,
-                            expect_ok=False)
-        assert code == 0, out
+    for nprocs, _ in OPTIMIZE:
+        codes, out = example("optimize", nprocs)
+        assert codes == [0] * nprocs, out
         error = re.search(r"max relative error (\S+)", out)
         assert error and float(error.group(1)) <= 1e-8, out
         found.append(re.search(r"(\d+) iterations", out).group(1))
@@ -112,14 +162,13 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     assert code != 0 and "rank 1 of 2: ok" not in out, out
 
 
-@pytest.mark.parametrize("nprocs, slow", [(2, 1), (4, 2)])
-def test_load_imbalance_example_names_the_slow_rank(nprocs, slow, tmp_path):
-    trace, picture = tmp_path / "trace.json", tmp_path / "profile.png"
-    plot = nprocs == 2 and importlib.util.find_spec("matplotlib") is not None
-    code, out = run_mpi(nprocs, ROOT / "examples" / "load_imbalance.py", "--slow-rank", slow,
-                        "--factor", 4, "--repeat", 8, "--trace", trace,
-                        *(("--plot", picture) if plot else ()), expect_ok=False, timeout=180)
-    assert code == 0, out
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.parametrize("nprocs, slow", LOAD_IMBALANCE)
+def test_load_imbalance_example_names_the_slow_rank(nprocs, slow, example):
+    codes, out = example("load_imbalance", nprocs)
+    trace, picture = example.folder / f"trace-{nprocs}.json", example.folder / "profile.png"
+    plot = nprocs == 2 and PLOT
+    assert codes == [0] * nprocs, out
     assert re.search(rf"^slowest rank: {slow} ", out, re.MULTILINE), out
     assert "check_totals: ok" in out and "wait in MPI on the other ranks" in out, out
     document = json.loads(trace.read_text())

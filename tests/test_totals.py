@@ -1,5 +1,5 @@
 """Distributed variables, check_totals and built-in collectives in a single process
-(the same cases run under MPI from test_mpi.py)."""
+(the cases of tests/mpi/test_distributed.py, which run under MPI too)."""
 
 import contextlib
 import fractions
@@ -9,14 +9,14 @@ import re
 
 import jax
 import jax.numpy as jnp
-import mpi_distributed
 import numpy as np
 import pytest
+from helpers import mpi_tests
 
 import distop
 
 
-@pytest.mark.parametrize("case", mpi_distributed.CASES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("case", mpi_tests("test_distributed"))
 def test_case(case):
     case()
 

@@ -1,32 +1,23 @@
-"""Distributed variables, check_totals and the built-in collectives, under
-`mpiexec -n P python tests/mpi_distributed.py` (run by tests/test_mpi.py); also run
-single-process by tests/test_totals.py. Blocks are uneven and some ranks own none."""
+"""Distributed variables, check_totals and the built-in collectives (also run in one
+process by tests/test_totals.py). Blocks are uneven and some ranks own none."""
 
 import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from distributed_least_squares import Residual
+from distributed_matvec import DistributedMatvec
+from helpers import all_close_everywhere, loops_since, without_loops
 from mpi4py import MPI
 
 import distop
-
-jax.config.update("jax_enable_x64", True)
-from distributed_least_squares import Residual  # noqa: E402
-from distributed_matvec import DistributedMatvec  # noqa: E402
-from helpers import all_close_everywhere, loops_since, run_cases, without_loops  # noqa: E402
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
 COUNTS = [(3, 0, 2, 1)[r % 4] for r in range(size)] if size > 1 else [4]
 START = sum(COUNTS[:rank])
 N = sum(COUNTS)
-CASES = []
-
-
-def case(fn):
-    CASES.append(fn)
-    return fn
 
 
 def mine(global_array):
@@ -44,8 +35,7 @@ def check(problem, **kw):
 
 
 # -- built-in collectives -------------------------------------------------------------
-@case
-def builtins_pass_check_totals_with_uneven_and_empty_blocks():
+def test_builtins_pass_check_totals_with_uneven_and_empty_blocks():
     rng = np.random.default_rng(0)
     xg = rng.standard_normal(N)
     c = rng.standard_normal(N)
@@ -90,8 +80,7 @@ class ComplexScale(distop.DistributedOperator):
         return y_bar * self.a
 
 
-@case
-def complex_values_in_jax_s_convention_with_check_totals_agreeing():
+def test_complex_values_in_jax_s_convention_with_check_totals_agreeing():
     rng = np.random.default_rng(3)
     zg = rng.standard_normal(N) + 1j * rng.standard_normal(N)
     ag = rng.standard_normal(N) + 1j * rng.standard_normal(N)
@@ -138,8 +127,7 @@ class Stepped(distop.DistributedOperator):
         return (3 + 3 * self.off) * x ** 2 * y_bar
 
 
-@case
-def complex_step_checks_a_distributed_model_and_names_an_operator_refusing_it():
+def test_complex_step_checks_a_distributed_model_and_names_an_operator_refusing_it():
     xg = np.linspace(0.4, 1.3, N)
 
     def model(x, p):
@@ -185,8 +173,7 @@ def complex_step_checks_a_distributed_model_and_names_an_operator_refusing_it():
             method="cs"))
 
 
-@case
-def alltoall_transpose_and_its_gradient():
+def test_alltoall_transpose_and_its_gradient():
     m = 5
     xg = np.arange(N * m, dtype=float).reshape(N, m) / 7.0
     cols = [m // size + (r < m % size) for r in range(size)]
@@ -205,8 +192,7 @@ def alltoall_transpose_and_its_gradient():
 
 
 # -- totals on global vectors ---------------------------------------------------------
-@case
-def totals_in_all_four_combinations_match_dense_references():
+def test_totals_in_all_four_combinations_match_dense_references():
     rng = np.random.default_rng(1)
     n = 4
     a = rng.standard_normal((N, n))
@@ -283,8 +269,7 @@ class Scale(distop.DistributedOperator):
         return total
 
 
-@case
-def check_totals_flags_a_vjp_bug_on_one_non_root_rank():
+def test_check_totals_flags_a_vjp_bug_on_one_non_root_rank():
     if size == 1:
         return
     for spread in (False, True):
@@ -308,8 +293,7 @@ def check_totals_flags_a_vjp_bug_on_one_non_root_rank():
             raise AssertionError("no DerivativeCheckError")
 
 
-@case
-def objective_using_an_operator_on_one_rank_only():
+def test_objective_using_an_operator_on_one_rank_only():
     a_r = np.arange(9.0).reshape(3, 3) + rank
     a = sum(np.arange(9.0).reshape(3, 3) + r for r in range(size))
     x = np.array([0.5, -1.0, 2.0])
@@ -352,8 +336,7 @@ class Shift(distop.DistributedOperator):
         return y_bar + total
 
 
-@case
-def a_result_read_on_some_ranks_only_is_made_on_every_rank():
+def test_a_result_read_on_some_ranks_only_is_made_on_every_rank():
     # JAX's reverse sweep of cumprod and where reads y on a block of several rows, not
     # on one of one row or none: every rank must still make the forward call (and fuse
     # its calls alike), or their collectives would not match.
@@ -375,8 +358,7 @@ def a_result_read_on_some_ranks_only_is_made_on_every_rank():
         np.testing.assert_allclose(block, totals["io_callback"][key], rtol=1e-12, atol=0)
 
 
-@case
-def calls_kept_for_other_ranks_keep_what_they_read():
+def test_calls_kept_for_other_ranks_keep_what_they_read():
     # Y's result feeds X only on ranks with rows; X's result is read only on ranks
     # without: a rank with rows could drop both, one without only Y, but X stays (some
     # rank reads it), so Y stays too. The ranks agree after a second round. (No vjp:
@@ -421,8 +403,7 @@ class Counted(distop.DistributedOperator):
         return out
 
 
-@case
-def of_subsets_still_run_every_vjp_and_fd_is_one_batched_call():
+def test_of_subsets_still_run_every_vjp_and_fd_is_one_batched_call():
     a, b = Counted([]), Counted([])
     problem = distop.Problem(lambda x: {"u": jnp.sum(a(x)), "v": jnp.sum(b(x) ** 2)},
                              {"x": np.ones(3)})
@@ -448,8 +429,7 @@ def raises(exc, text, fn):
         raise AssertionError(f"no {exc.__name__}")
 
 
-@case
-def a_replicated_input_without_rank_local_raises_instead_of_differing_between_ranks():
+def test_a_replicated_input_without_rank_local_raises_instead_of_differing_between_ranks():
     # xs is replicated, xd and y distributed: each rank's cotangent of xs is its share
     xd, xs = mine(np.arange(N, dtype=float)), np.array([1.0, 2.0])
     problem = distop.Problem(lambda xd, xs: {"y": xd ** 2 + jnp.sum(xs ** 2)},
@@ -477,8 +457,7 @@ def a_replicated_input_without_rank_local_raises_instead_of_differing_between_ra
         all_close_everywhere(comm, J["s", "xs"], [[np.arange(N).sum(), 0.0]])
 
 
-@case
-def bad_input_raises_on_every_rank():
+def test_bad_input_raises_on_every_rank():
     if size > 1:
         x = np.ones((2, 3 if rank == 0 else 4))
         raises(distop.DistopError, "different shapes",
@@ -507,8 +486,7 @@ def bad_input_raises_on_every_rank():
            lambda: distop.Problem(lambda x: {"y": x}, {"x": np.ones(2)}, distributed={"w"}))
 
 
-@case
-def shard_gives_every_rank_the_same_count():
+def test_shard_gives_every_rank_the_same_count():
     for n in (1, 5, 13):
         idx, w = distop.shard(n)
         every = comm.allgather((idx, w))
@@ -519,8 +497,7 @@ def shard_gives_every_rank_the_same_count():
         assert weighted == n * (n - 1) / 2
 
 
-@case
-def a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
+def test_a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
     from distop import _ffi
     from distop._passes import loops
 
@@ -547,6 +524,3 @@ def a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
     for key in flat_totals:
         all_close_everywhere(comm, totals[key], flat_totals[key], rtol=1e-13)
     check(problem)
-
-if __name__ == "__main__":
-    run_cases(CASES)

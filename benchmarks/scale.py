@@ -225,11 +225,10 @@ def main() -> None:
                 label = "distop" if whose == "own" else "operators"
                 print(f"{entry:22s} {label:9s}" + "".join(f"{c:>16s}" for c in cells))
         if scenario == "stencil":
-            peers = [sorted({q for r in results[p]["scenarios"][scenario]
-                             for q in r["run"]["peers"]}) for p in args.ranks]
+            most = {p: max(len(set(r["run"]["peers"]))
+                           for r in results[p]["scenarios"][scenario]) for p in args.ranks}
             print("point-to-point peers of a steady run, per rank (at most):",
-                  ", ".join(f"P={p}: {max(len(set(r['run']['peers'])) for r in results[p]['scenarios'][scenario])}"  # noqa: E501
-                            for p, _ in zip(args.ranks, peers)))
+                  ", ".join(f"P={p}: {n}" for p, n in most.items()))
     largest = max(args.ranks)
     print(f"\nmodelled time per steady-state call (alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/byte), from the counts at P={largest}")

@@ -85,3 +85,22 @@ def test_loops_benchmark_prints_its_three_tables():
     for line in proc.stdout.splitlines():
         if line.strip().startswith("2 ") and ("run" in line or "totals" in line):
             assert float(line.split()[-1]) < 1e-12, line
+
+
+def test_scale_benchmark_counts_one_fixed_size_collective_per_steady_call():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--ranks", "2"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(("run ", "compute_totals ")) and "distop" in line:
+            rows.setdefault(line.split("distop")[0].strip(), []).append(line)
+    # in both scenarios, distop's own traffic per steady call: one Allreduce of 40 bytes
+    for entry in ("run", "compute_totals"):
+        assert len(rows[entry]) == 2, proc.stdout
+        for line in rows[entry]:
+            assert line.split("distop")[1].split() == ["1", "/", "40"], line
+    assert "point-to-point peers of a steady run, per rank (at most): P=2: 1" in proc.stdout
+    assert "P=16384" in proc.stdout, proc.stdout

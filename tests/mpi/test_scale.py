@@ -1,0 +1,127 @@
+"""distop's own MPI traffic per call is fixed, whatever the number of ranks: counted on
+a communicator that records every call (benchmarks/mpi_counts.py)."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import ROOT
+from mpi4py import MPI
+
+import distop
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import mpi_counts  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.rank, comm.size
+
+
+class Matvec(distop.DistributedOperator):
+    """y = (A_0 + ... + A_(P-1)) x, as in the README."""
+
+    A: np.ndarray
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
+
+    def forward(self, comm, x):
+        y = np.empty(self.A.shape[0])
+        comm.Allreduce(self.A @ x, y, op=MPI.SUM)
+        return y
+
+    def vjp(self, comm, y_bar, x):
+        x_bar = np.empty(self.A.shape[1])
+        comm.Allreduce(self.A.T @ y_bar, x_bar, op=MPI.SUM)
+        return x_bar
+
+
+def steady(call, repeat=3):
+    """**Returns:** the `Tally` of each of `repeat` calls after a first one."""
+    call()
+    tallies = []
+    for _ in range(repeat):
+        with mpi_counts.counting() as tally:
+            call()
+        tallies.append(tally)
+    return tallies
+
+
+def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction():
+    counting = mpi_counts.CountingComm(comm)
+    op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
+    w = jnp.array([1.0, -2.0, 0.5])
+
+    def model(x):  # the README's
+        y = op(x)
+        return {"f": jnp.dot(w, y), "g": jnp.sum(y ** 2)}
+
+    problem = distop.Problem(model, {"x": np.ones(4)}, comm=counting)
+    own = {} if size == 1 else {"Allreduce": 1}  # (5 int64: 40 bytes, whatever the size)
+    for entry in (problem.run, lambda: problem.compute_totals(["f", "g"], "x")):
+        for tally in steady(entry):
+            assert tally.calls.get("own", {}) == own, tally
+            assert tally.received.get("own", 0) == (40 if own else 0), tally
+            assert set(tally.calls["operator"]) == {"Allreduce"}, tally  # (counted apart)
+
+
+def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size():
+    # two calls of one operator fuse; their VJPs agree across ranks on the nonzero rows
+    # of their cotangents: one more Allreduce, one byte per row, whatever the size
+    counting = mpi_counts.CountingComm(comm)
+    op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(op(x)), "g": jnp.sum(op(2 * x) ** 2)},
+                             {"x": np.ones(4)}, comm=counting)
+    for tally in steady(lambda: problem.compute_totals(["f", "g"], "x")):
+        own = tally.calls.get("own", {})
+        assert set(own) <= {"Allreduce"} and own.get("Allreduce", 0) <= 2, tally
+        assert tally.received.get("own", 0) <= 40 + 8, tally  # (2 rows of 2 members)
+
+
+def test_a_replicated_input_s_totals_are_checked_on_a_program_s_first_call_only():
+    counting = mpi_counts.CountingComm(comm)
+    op = Matvec(np.ones((2, 3)), comm=counting)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": np.ones(3)},
+                             comm=counting)
+    with mpi_counts.counting() as first:
+        problem.compute_totals("f", "x")
+    with mpi_counts.counting() as second:
+        problem.compute_totals("f", "x")
+    if size > 1:  # the first makes the check: one more Allreduce of distop's own
+        assert first.calls["own"].get("Allreduce", 0) > second.calls["own"]["Allreduce"]
+    distop.configure(check_collectives=True)
+    try:
+        checking = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": np.ones(3)},
+                                  comm=counting)
+        checking.compute_totals("f", "x")
+        with mpi_counts.counting() as again:
+            checking.compute_totals("f", "x")
+    finally:
+        distop.configure(check_collectives=False)
+    if size > 1:  # the checking mode checks on every call
+        assert again.calls["own"]["Allreduce"] > second.calls["own"]["Allreduce"], again
+
+
+def test_a_halo_exchange_on_long_blocks_messages_its_two_neighbours_only():
+    counting = mpi_counts.CountingComm(comm)
+    halo = distop.HaloExchange(width=2, comm=counting)
+    rows = 3 + rank % 2  # (uneven, each at least the width)
+
+    def model(x):
+        h = halo(x)
+        return {"y": h[:-4] + h[2:-2] + h[4:]}
+
+    x = np.arange(rows, dtype=float) + 10 * rank
+    problem = distop.Problem(model, {"x": x}, distributed=["x", "y"], comm=counting)
+    neighbours = {r for r in (rank - 1, rank + 1) if 0 <= r < size}
+    for entry in (problem.run, lambda: problem.compute_totals("y", "x", return_format="local")):
+        for tally in steady(entry):
+            operator = tally.calls.get("operator", {})
+            assert set(operator) <= {"Isend", "Irecv"}, tally  # no collective
+            assert tally.peers == neighbours, (tally.peers, neighbours)
+            # per halo call, one message to each neighbour and one from each
+            calls = operator.get("Isend", 0)
+            assert calls == operator.get("Irecv", 0) and calls % max(len(neighbours), 1) == 0

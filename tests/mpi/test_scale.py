@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import ROOT
 from mpi4py import MPI
 
@@ -39,6 +40,15 @@ class Matvec(distop.DistributedOperator):
         return x_bar
 
 
+@pytest.fixture
+def counting():
+    """A new communicator of every rank that counts its calls: distop makes its private
+    duplicate of it here, counted too, whatever the tests before made of COMM_WORLD."""
+    counted = mpi_counts.CountingComm(comm.Dup())
+    yield counted
+    counted.Free()
+
+
 def steady(call, repeat=3):
     """**Returns:** the `Tally` of each of `repeat` calls after a first one."""
     call()
@@ -50,8 +60,7 @@ def steady(call, repeat=3):
     return tallies
 
 
-def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction():
-    counting = mpi_counts.CountingComm(comm)
+def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction(counting):
     op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
     w = jnp.array([1.0, -2.0, 0.5])
 
@@ -68,10 +77,9 @@ def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction(
             assert set(tally.calls["operator"]) == {"Allreduce"}, tally  # (counted apart)
 
 
-def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size():
+def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size(counting):
     # two calls of one operator fuse; their VJPs agree across ranks on the nonzero rows
     # of their cotangents: one more Allreduce, one byte per row, whatever the size
-    counting = mpi_counts.CountingComm(comm)
     op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x)), "g": jnp.sum(op(2 * x) ** 2)},
                              {"x": np.ones(4)}, comm=counting)
@@ -81,8 +89,7 @@ def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size():
         assert tally.received.get("own", 0) <= 40 + 8, tally  # (2 rows of 2 members)
 
 
-def test_a_replicated_input_s_totals_are_checked_on_a_program_s_first_call_only():
-    counting = mpi_counts.CountingComm(comm)
+def test_a_replicated_input_s_totals_are_checked_on_a_program_s_first_call_only(counting):
     op = Matvec(np.ones((2, 3)), comm=counting)
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": np.ones(3)},
                              comm=counting)
@@ -105,8 +112,7 @@ def test_a_replicated_input_s_totals_are_checked_on_a_program_s_first_call_only(
         assert again.calls["own"]["Allreduce"] > second.calls["own"]["Allreduce"], again
 
 
-def test_a_halo_exchange_on_long_blocks_messages_its_two_neighbours_only():
-    counting = mpi_counts.CountingComm(comm)
+def test_a_halo_exchange_on_long_blocks_messages_its_two_neighbours_only(counting):
     halo = distop.HaloExchange(width=2, comm=counting)
     rows = 3 + rank % 2  # (uneven, each at least the width)
 

@@ -11,6 +11,7 @@ a rank that has waited long can tell a peer still computing (it waits on) from a
 
 import atexit
 import functools
+import json
 import threading
 import time
 from typing import Any
@@ -53,7 +54,10 @@ class Watchdog:
         self._blind = "no communicator of distop's spans them yet"  # why it cannot ask
         self._heard: dict[int, tuple] = {}  # world rank -> (when, state, text, seconds)
         self._asked: dict[int, float] = {}  # world rank -> when it was last asked
+        # a relay's world rank -> (when, its summary's groups; see `_summary`)
+        self._relayed: dict[int, tuple[float, list]] = {}
         self._asked_at = -float("inf")
+        self._relaying_until = -float("inf")  # a relay asks every rank while asked
         # held while the watchdog thread calls MPI; `_close` takes it to end those calls
         self._mpi_lock = threading.Lock()
         self._closed = False
@@ -192,35 +196,58 @@ class Watchdog:
                 quiet_since = now
             waits = _waits(entries, now, limit)
             # Asked from half the limit on, so that answers are fresh when it is reached.
-            ask = (limit > 0 and any(waited > patience / 2 for *_, waited, patience in waits)
-                   and now - self._asked_at >= max(tick, limit / 10))
-            self._serve(functools.partial(_standing, entries, now, quiet_since), ask, now)
+            every = max(tick, limit / 10)
+            ask = (limit > 0 and now - self._asked_at >= every
+                   and (any(waited > patience / 2 for *_, waited, patience in waits)
+                        or now < self._relaying_until))
+            self._serve(functools.partial(_standing, entries, now, quiet_since), ask, now,
+                        limit, every)
             stuck = [w for w in waits if w[2] > w[3]] if limit > 0 else []
             if stuck and not self._held(now, limit, max(w[2] for w in stuck)):
                 self._abort(stuck, now, limit)
 
-    def _serve(self, standing: Any, ask: bool, now: float) -> None:
-        """Answer the peers' questions, read their answers, and ask them if `ask`."""
+    def _serve(self, standing: Any, ask: bool, now: float, limit: float,
+               every: float) -> None:
+        """Answer the peers' questions, read their answers and summaries, and ask if
+        `ask` (a relay every rank, another rank its relays: see `Channel`)."""
         with self._mpi_lock:
             if self._closed or self._blind or not self._channels:
                 return
+            summary = functools.partial(self._summary, standing, now, limit)
             try:
                 for channel in self._channels:
-                    for rank, answer in channel.serve(standing, ask):
+                    answers, summaries, asked_here, asked = channel.serve(
+                        standing, summary, ask, now, 2 * every)
+                    for rank, answer in answers:
                         self._heard[rank] = (_now(),) + decode(answer)
-                    if ask:
-                        self._asked.update(dict.fromkeys(channel.peers, now))
+                    for data in summaries:
+                        self._relayed[channel.relay] = (_now(), _groups_of(data))
+                    if asked_here and channel.relays:
+                        self._relaying_until = now + limit
+                    self._asked.update(dict.fromkeys(asked, now))
             except Exception as err:  # noqa: BLE001 - the watchdog must outlive it
                 self._blind = f"the watchdog's channel failed ({err})"
             if ask:
                 self._asked_at = now
 
+    def _summary(self, standing: Any, now: float, limit: float) -> bytes:
+        """**Returns:** what a relay answers a question with: the groups of ranks that
+        answered it alike, itself included, as JSON (see `_groups`)."""
+        mine = world().Get_rank()
+        state, where, seconds = standing()
+        members = _members(mine, now, limit, self._heard, self._asked, {})
+        members[mine] = ((state, where, False), seconds, seconds, 0.0, 0.0)
+        return json.dumps([[*key, _spans(ranks), *times]
+                           for key, ranks, *times in _groups(members)]).encode()
+
     def _held(self, now: float, limit: float, longest: float) -> bool:
         """Whether a wait of `longest` seconds goes on: a peer answered, within the
         limit, that it computes, or that it runs where the watchdog cannot see and the
         wait is shorter than `UNSEEN_PATIENCE` limits."""
-        for when, state, _, _ in list(self._heard.values()):
-            if now - when > limit:
+        members = _members(world().Get_rank(), now, limit, dict(self._heard),
+                           dict(self._asked), dict(self._relayed))
+        for (state, _, _), _, _, _, youngest in members.values():
+            if state is None or youngest > limit:
                 continue
             if state == COMPUTING:
                 return True
@@ -231,7 +258,7 @@ class Watchdog:
     def _abort(self, stuck: list, now: float, limit: float) -> None:
         comm = world()
         abort(comm, report(comm.Get_rank(), comm.Get_size(), stuck, limit, now,
-                           self._heard, self._asked, self._blind))
+                           self._heard, self._asked, self._blind, self._relayed))
 
     # -- at exit ----------------------------------------------------------------------
     def _wait_at_exit(self) -> None:
@@ -342,7 +369,7 @@ def _describe(state: int, where: str, detail: str | None) -> str:
 
 
 def report(rank: int, size: int, stuck: list, limit: float, now: float, heard: dict,
-           asked: dict, blind: str) -> str:
+           asked: dict, blind: str, relayed: dict | None = None) -> str:
     """The watchdog's message: where this rank is stuck and where the others stand.
 
     **Arguments:**
@@ -353,6 +380,7 @@ def report(rank: int, size: int, stuck: list, limit: float, now: float, heard: d
     - `heard`: world rank -> (when, state, description, seconds) of its last answer.
     - `asked`: world rank -> when it was last asked.
     - `blind`: why the other ranks cannot be asked, or "".
+    - `relayed`: a relay's world rank -> (when, groups) of its last summary.
 
     **Returns:** the message, one line per fact.
     """
@@ -372,34 +400,19 @@ def report(rank: int, size: int, stuck: list, limit: float, now: float, heard: d
         lines.append(f"Where the other ranks stand is unknown: {blind}.")
     else:
         lines.append("Where the other ranks stand, as they last answered:")
-        groups: dict[tuple, list] = {}
-        for peer in sorted(set(asked) | set(heard)):
-            if peer == rank:
-                continue
-            found = heard.get(peer)
-            if found is None:
-                groups.setdefault((None,), []).append((peer, now - asked[peer], 0.0))
-                continue
-            when, state, where, seconds = found
-            silent = asked.get(peer, when) - when > limit  # (asked since, in vain)
-            groups.setdefault((state, where, silent), []).append(
-                (peer, seconds + now - when, now - when))
-        for key, members in groups.items():
-            peers = [peer for peer, _, _ in members]
-            longest = max(seconds for _, seconds, _ in members)
-            shortest = min(seconds for _, seconds, _ in members)
-            age = max(age for _, _, age in members)
-            if key[0] is None:
+        groups = _groups(_members(rank, now, limit, heard, asked, relayed or {}))
+        for (state, where, silent), peers, shortest, longest, oldest, _ in groups:
+            if state is None:
                 text = (f"no answer (asked {_s(longest)} s ago): it may have exited or "
                         "crashed, or hold the GIL in a long computation")
             else:
                 took = (f"{_s(shortest)}-{_s(longest)} s" if _s(longest) != _s(shortest)
                         else f"{_s(longest)} s")
-                text = _say_standing(key[0], key[1], took)
-                if key[2]:
-                    text = f"no answer for {_s(age)} s; before that, {text}"
-                elif age >= 1:
-                    text += f" (answered {_s(age)} s ago)"
+                text = _say_standing(state, where, took)
+                if silent:
+                    text = f"no answer for {_s(oldest)} s; before that, {text}"
+                elif oldest >= 1:
+                    text += f" (answered {_s(oldest)} s ago)"
             lines.append(f"  rank{'s' if len(peers) > 1 else ''} {_ranges(peers)}: {text}")
         if not groups:
             lines.append("  none has been asked yet")
@@ -411,6 +424,69 @@ def report(rank: int, size: int, stuck: list, limit: float, now: float, heard: d
                  f"different schedule (rank-dependent control flow; {hint}). "
                  "Aborting the job.")
     return "\n".join(lines) + "\n"
+
+
+def _members(rank: int, now: float, limit: float, heard: dict, asked: dict,
+             relayed: dict) -> dict:
+    """Where every other rank stands, from its own answers and the relays' summaries.
+
+    **Arguments:** as `report`'s (`rank`: this rank, left out).
+
+    **Returns:** world rank -> (key, shortest, longest, oldest, youngest): the key is
+    (state, description, whether it has not answered since it was last asked), or
+    (None, "", False) for a rank asked that never answered; then the seconds it has
+    been there (a range where a relay summed up a group; for a rank that never
+    answered, since it was asked), and how old the answers are. Where both tell of a
+    rank, the younger answer stands.
+    """
+    found: dict[int, tuple] = {}
+    for peer in set(asked) | set(heard):
+        if peer == rank:
+            continue
+        answer = heard.get(peer)
+        if answer is None:
+            ago = now - asked[peer]
+            found[peer] = ((None, "", False), ago, ago, ago, ago)
+            continue
+        when, state, where, seconds = answer
+        age = now - when
+        silent = asked.get(peer, when) - when > limit  # (asked since, in vain)
+        found[peer] = ((state, where, silent), seconds + age, seconds + age, age, age)
+    for received, groups in relayed.values():
+        late = now - received
+        for state, where, silent, spans, *times in groups:
+            shortest, longest, oldest, youngest = (t + late for t in times)
+            for start, stop in spans:
+                for peer in range(start, stop + 1):
+                    known = found.get(peer)
+                    if peer != rank and (known is None or known[4] > youngest):
+                        found[peer] = ((state, where, silent), shortest, longest, oldest,
+                                       youngest)
+    return found
+
+
+def _groups(members: dict) -> list:
+    """**Returns:** (key, ranks, shortest, longest, oldest, youngest) of each group of
+    `members` (see `_members`) that stand alike, in the order of their lowest rank."""
+    groups: dict[tuple, list] = {}
+    for peer in sorted(members):
+        key, shortest, longest, oldest, youngest = members[peer]
+        group = groups.setdefault(key, [key, [], shortest, longest, oldest, youngest])
+        group[1].append(peer)
+        group[2:] = (min(group[2], shortest), max(group[3], longest), max(group[4], oldest),
+                     min(group[5], youngest))
+    return [tuple(group) for group in groups.values()]
+
+
+def _groups_of(data: bytes) -> list:
+    """**Returns:** the groups of a relay's summary (see `Watchdog._summary`); none
+    where it cannot be read."""
+    try:
+        return [(state, where, bool(silent), [tuple(span) for span in spans],
+                 *map(float, times))
+                for state, where, silent, spans, *times in json.loads(data)]
+    except (ValueError, TypeError):
+        return []
 
 
 def _s(seconds: float) -> str:
@@ -431,16 +507,20 @@ def _say_standing(state: int, where: str, took: str) -> str:
     return f"outside distop for {took} (in its own code, or tracing or compiling)"
 
 
+def _spans(ranks: list) -> list:
+    """**Returns:** sorted ranks as runs, [[first, last], ...]."""
+    spans: list = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return spans
+
+
 def _ranges(ranks: list) -> str:
     """**Returns:** sorted ranks as ranges, `"0-3, 7"`."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(f"{start}-{r}" if r > start else f"{r}")
-            start = None
-    return ", ".join(parts)
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in _spans(ranks))
 
 
 # -- the communicator handed to methods -----------------------------------------------

@@ -397,3 +397,30 @@ def test_watchdog_report_says_where_every_rank_stands(monkeypatch):
         "No other rank is known to be computing: one failed, exited, or runs a different "
         "schedule (rank-dependent control flow; DISTOP_CHECK_COLLECTIVES=1 names it). "
         "Aborting the job."]
+
+
+def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
+    monkeypatch.setattr(_watchdog.settings, "check_collectives", False)  # (its hint)
+    wait, now = "Solve.forward, collective Allreduce", 1000.0
+    relay = _watchdog.Watchdog()  # (rank 0 of 5, as the world is here)
+    relay._heard = {1: (now, _watchdog.WAITING, wait, 61.0),
+                    2: (now - 0.5, _watchdog.WAITING, wait, 60.5),
+                    3: (now - 2.0, _watchdog.COMPUTING, "Solve.forward", 70.0)}
+    relay._asked = dict.fromkeys(range(1, 5), now - 1.0)
+    summary = relay._summary(lambda: (_watchdog.WAITING, wait, 61.0), now, 60.0)
+    # rank 1, a second later: it asked the relay only, and heard only its summary
+    relayed = {0: (now, _watchdog._groups_of(summary))}
+    stuck = [(_watchdog.WAITING, wait, 61.0, 60.0)]
+    text = _watchdog.report(1, 5, stuck, 60.0, now + 1.0, {}, {0: now - 0.2}, "", relayed)
+    assert text.splitlines()[1:-1] == [
+        "Where the other ranks stand, as they last answered:",
+        "  ranks 0, 2: waiting in Solve.forward, collective Allreduce for 62 s "
+        "(answered 1.5 s ago)",
+        "  rank 3: computing in Solve.forward for 73 s (answered 3.0 s ago)",
+        "  rank 4: no answer (asked 2.0 s ago): it may have exited or crashed, or hold "
+        "the GIL in a long computation"]
+    asker = _watchdog.Watchdog()
+    asker._relayed = relayed
+    assert asker._held(now + 1.0, 60.0, longest=61.0)  # (rank 3 computes)
+    asker._relayed = {0: (now - 59.0, relayed[0][1])}  # (news older than the limit)
+    assert not asker._held(now + 1.0, 60.0, longest=61.0)

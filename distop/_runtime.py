@@ -215,12 +215,16 @@ def _abort_on_uncaught_exception(comm: Any) -> None:
 
 # -- failure reports ------------------------------------------------------------------
 # A failing rank tells the others, on the runtime's communicator (see `attach`), in a
-# notice: one small message to each rank, which a thread of each receives. Ranks that
-# stop because of it print one line naming it instead of a traceback of their own.
+# notice, which a thread of each rank receives. Ranks that stop because of it print one
+# line naming it instead of a traceback of their own. A notice goes to rank 0, the relay,
+# which passes on, at most once per look, the news: the lowest notice of each kind of
+# failure and which ranks sent one (see `_Listener`). So a failure of every rank at once
+# sends a number of messages linear in the number of ranks.
 NOTICE_WAIT = 2.0  # seconds a failing rank waits for the notices of lower ranks failing too
 ELSEWHERE_WAIT = 5.0  # seconds a rank reporting another's failure waits for that rank's
 _NOTICE_TAG = 1  # (the runtime's communicator carries no other point-to-point message)
 _NOTICE_BYTES = 1024
+_NEWS_BYTES = 1 << 16  # the most a relay's news takes (see `_news`)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # the first line of an operator's failure as distop reports it, after "distop: " or the
 # exception's name
@@ -228,7 +232,8 @@ _FAILED = re.compile(r"(?:[\w.]+: )?([A-Za-z_]\w*\.[A-Za-z_]\w*) on rank \d+: ")
 
 _runtime_comm: Any = None  # the runtime's own communicator, once attached
 _listener: "_Listener | None" = None
-_heard: list["_Notice"] = []  # the notices received, in order of arrival
+_heard: list["_Notice"] = []  # the notices received, in order of arrival, one per rank
+_failed: set[int] = set()  # the ranks known to have sent a notice (some only by the news)
 _arrived: dict[int, float] = {}  # rank -> when its first notice arrived (monotonic)
 _reporting = False  # this rank reports a failure: its listener prints nothing
 _said = False  # this rank printed its line on another rank's failure
@@ -249,7 +254,7 @@ def _report(comm: Any, error: BaseException, show: Callable[[], str], summary: s
             own: bool) -> None:
     """Report this rank's failure once across the ranks, then abort the job.
 
-    It sends a notice to every other rank, then waits a moment for those of the ranks
+    It sends a notice to the relay (see `_send`), then waits a moment for those of the ranks
     that fail at the same time (see `_first`): a rank whose error is distop's report of
     a failure elsewhere (`own` False) defers to a rank that failed on its own, and a
     rank defers to a lower one that failed with the same error. A rank that defers
@@ -304,14 +309,15 @@ def _first(mine: _Notice, size: int) -> _Notice | None:
     """
     deadline = time.monotonic() + (NOTICE_WAIT if mine.own else ELSEWHERE_WAIT)
     while True:
-        heard = list(_heard)
+        # (the news may tell this rank of its own notice)
+        heard = [h for h in _heard if h.rank != mine.rank]
+        ranks = _failed - {mine.rank}
         if not mine.own:
             origin = _lowest(h for h in heard if h.own)
             if origin is not None:
                 return origin
         same = _lowest(h for h in heard if h.rank < mine.rank and h.own == mine.own
                        and h.same == mine.same)
-        ranks = {h.rank for h in heard}
         if mine.own and same is not None:
             if set(range(same.rank)) <= ranks:  # no rank below it can fail alike unheard
                 return same
@@ -359,12 +365,63 @@ def _what(error: BaseException, summary: str) -> str:
 
 
 def _send(comm: Any, notice: _Notice) -> None:
-    """Send `notice` to every other rank of `comm`, without waiting for delivery."""
-    MPI = mpi()
+    """Send `notice` to the relay, rank 0 of `comm` (the relay itself: to every other
+    rank), without waiting for delivery."""
     data = json.dumps(notice._asdict()).encode()[:_NOTICE_BYTES]
-    for rank in range(comm.Get_size()):
-        if rank != notice.rank:
-            _sent.append(comm.Isend([data, MPI.BYTE], dest=rank, tag=_NOTICE_TAG))
+    _post(comm, data, [0] if notice.rank != 0 else range(1, comm.Get_size()))
+
+
+def _post(comm: Any, data: bytes, ranks: Iterable[int]) -> None:
+    """Send `data` to `ranks` of `comm` as a notice, without waiting for delivery."""
+    MPI = mpi()
+    for rank in ranks:
+        _sent.append(comm.Isend([data, MPI.BYTE], dest=rank, tag=_NOTICE_TAG))
+
+
+def _learn(notice: _Notice) -> bool:
+    """Keep `notice`, the first of its rank; **Returns:** whether it is new."""
+    if any(h.rank == notice.rank for h in _heard):
+        return False
+    _heard.append(notice)
+    _failed.add(notice.rank)
+    _arrived.setdefault(notice.rank, time.monotonic())
+    return True
+
+
+def _read(data: bytes, source: int) -> list[_Notice]:
+    """**Returns:** the notices of a message from rank `source`: a notice, or a relay's
+    news (whose list of ranks joins `_failed`)."""
+    try:
+        found = json.loads(data)
+        if "notices" not in found:
+            return [_Notice(**found)]
+        for first, last in found["ranks"]:
+            _failed.update(range(first, last + 1))
+        return [_Notice(**notice) for notice in found["notices"]]
+    except (ValueError, TypeError, KeyError):  # (cut short: the sender's own words stand)
+        return [_Notice(source, True, "", "failed")]
+
+
+def _news() -> bytes:
+    """**Returns:** what the relay passes on: the lowest notice of each kind (own or
+    not, and the error's digest) and the ranks that sent one, as runs."""
+    lowest: dict[tuple, _Notice] = {}
+    for notice in _heard:
+        kind = (notice.own, notice.same)
+        if kind not in lowest or notice.rank < lowest[kind].rank:
+            lowest[kind] = notice
+    runs: list[list[int]] = []
+    for rank in sorted(_failed):
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    notices = sorted(lowest.values(), key=lambda notice: notice.rank)
+    data = json.dumps({"notices": [n._asdict() for n in notices], "ranks": runs}).encode()
+    if len(data) > _NEWS_BYTES:  # (the lowest notices only: the others wait their time)
+        data = json.dumps({"notices": [n._asdict() for n in notices[:8]],
+                           "ranks": []}).encode()
+    return data[:_NEWS_BYTES]
 
 
 def _say(text: str) -> None:
@@ -411,7 +468,8 @@ class _Listener:
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
-        self.buffer = bytearray(_NOTICE_BYTES)
+        self.relays = comm.Get_rank() == 0
+        self.buffer = bytearray(_NEWS_BYTES)
         self.request = self._post()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="distop-notices", daemon=True)
@@ -426,17 +484,16 @@ class _Listener:
         status = mpi().Status()
         since = float("inf")  # when the first notice of a rank that failed on its own came
         while not self.stop.wait(self.POLL):
+            fresh = False
             while self.request.Test(status):
                 data = bytes(self.buffer[:status.Get_count(mpi().BYTE)])
                 self.request = self._post()
-                try:
-                    notice = _Notice(**json.loads(data))
-                except (ValueError, TypeError):  # (cut short: the sender's own words stand)
-                    notice = _Notice(status.Get_source(), True, "", "failed")
-                _heard.append(notice)
-                _arrived.setdefault(notice.rank, time.monotonic())
-                if notice.own:
-                    since = min(since, time.monotonic())
+                for notice in _read(data, status.Get_source()):
+                    fresh = _learn(notice) or fresh
+                    if notice.own:
+                        since = min(since, time.monotonic())
+            if fresh and self.relays:  # (the news of this look, to every other rank)
+                _post(self.comm, _news(), range(1, self.comm.Get_size()))
             # A rank not reporting a failure itself names the failed rank that prints its
             # traceback: the lowest of those failing together (see `_first`).
             failed = _lowest(h for h in _heard if h.own)

@@ -14,7 +14,7 @@ import pytest
 from helpers import CORE, ROOT, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
 import distop
-from distop import _config, _watchdog
+from distop import _config, _runtime, _watchdog
 from distop._launch import diagnose
 
 MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
@@ -111,6 +111,33 @@ def test_a_failure_is_reported_once_and_every_other_rank_says_why_it_stops(
                 and not line.lstrip().startswith(("Traceback", "File ", "[", "^"))
                 and set(line.strip()) != {"-"}}
     assert not repeated, out
+
+
+class _Eight:
+    """A stand-in for the runtime's communicator of 8 ranks."""
+
+    def Get_size(self):
+        return 8
+
+
+def test_a_failing_rank_tells_the_relay_only_which_passes_on_the_news(monkeypatch):
+    sent = []
+    monkeypatch.setattr(_runtime, "_post", lambda comm, data, ranks: sent.append(list(ranks)))
+    for name, empty in (("_heard", []), ("_failed", set()), ("_arrived", {})):
+        monkeypatch.setattr(_runtime, name, empty)
+    _runtime._send(_Eight(), _runtime._Notice(5, True, "d", "failed in X.forward"))
+    _runtime._send(_Eight(), _runtime._Notice(0, True, "d", "failed in X.forward"))
+    assert sent == [[0], list(range(1, 8))]  # (the relay's own: to every other rank)
+    # the relay heard ranks 3-7 fail alike, and rank 2 report a failure elsewhere
+    for r in (7, 3, 5, 4, 6):
+        assert _runtime._learn(_runtime._Notice(r, True, "d", "failed in X.forward"))
+    assert not _runtime._learn(_runtime._Notice(3, True, "d", "failed in X.forward"))
+    _runtime._learn(_runtime._Notice(2, False, "e", "raised DistopError"))
+    news = _runtime._news()
+    monkeypatch.setattr(_runtime, "_failed", set())
+    # a rank that reads it learns the lowest notice of each kind, and every rank that failed
+    assert [(n.rank, n.own) for n in _runtime._read(news, 0)] == [(2, False), (3, True)]
+    assert _runtime._failed == {2, 3, 4, 5, 6, 7}
 
 
 @pytest.mark.mpi

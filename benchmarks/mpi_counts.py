@@ -18,6 +18,7 @@ import sys
 import threading
 from typing import Any
 
+import jax
 import numpy as np
 from mpi4py import MPI
 
@@ -155,3 +156,26 @@ class counting:
                                                  + record.received)
             if record.peer is not None:
                 self.tally.peers.add(record.peer)
+
+
+class Matvec(distop.DistributedOperator):
+    """y = (A_0 + ... + A_(P-1)) x, as in the README: one Allreduce per forward and per
+    (batched) VJP, the operator both scale.py and the tests count."""
+
+    A: np.ndarray
+    forward_collectives = ("Allreduce",)
+    vjp_collectives = ("Allreduce",)
+    batched_vjp = True
+
+    def output_spec(self, x: Any) -> Any:
+        return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
+
+    def forward(self, comm: Any, x: np.ndarray) -> np.ndarray:
+        y = np.empty(self.A.shape[0])
+        comm.Allreduce(self.A @ x, y, op=MPI.SUM)
+        return y
+
+    def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray) -> np.ndarray:
+        x_bar = np.empty(y_bar.shape[:-1] + (self.A.shape[1],))
+        comm.Allreduce(np.ascontiguousarray(y_bar @ self.A), x_bar, op=MPI.SUM)
+        return x_bar

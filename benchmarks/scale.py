@@ -66,29 +66,8 @@ def worker() -> None:
     rank, size = world.Get_rank(), world.Get_size()
     comm = mpi_counts.CountingComm(world)
 
-    class Matvec(distop.DistributedOperator):
-        """y = (A_0 + ... + A_(P-1)) x, as in the README."""
-
-        A: np.ndarray
-        forward_collectives = ("Allreduce",)
-        vjp_collectives = ("Allreduce",)
-        batched_vjp = True
-
-        def output_spec(self, x):
-            return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
-
-        def forward(self, comm, x):
-            y = np.empty(self.A.shape[0])
-            comm.Allreduce(self.A @ x, y, op=MPI.SUM)
-            return y
-
-        def vjp(self, comm, y_bar, x):
-            x_bar = np.empty(y_bar.shape[:-1] + (self.A.shape[1],))
-            comm.Allreduce(np.ascontiguousarray(y_bar @ self.A), x_bar, op=MPI.SUM)
-            return x_bar
-
     def matvec() -> tuple:
-        op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=comm)
+        op = mpi_counts.Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=comm)
         w = jnp.array([1.0, -2.0, 0.5])
 
         def model(x):

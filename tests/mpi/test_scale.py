@@ -3,7 +3,6 @@ a communicator that records every call (benchmarks/mpi_counts.py)."""
 
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,27 +16,6 @@ import mpi_counts  # noqa: E402
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
-
-
-class Matvec(distop.DistributedOperator):
-    """y = (A_0 + ... + A_(P-1)) x, as in the README."""
-
-    A: np.ndarray
-    forward_collectives = ("Allreduce",)
-    vjp_collectives = ("Allreduce",)
-
-    def output_spec(self, x):
-        return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
-
-    def forward(self, comm, x):
-        y = np.empty(self.A.shape[0])
-        comm.Allreduce(self.A @ x, y, op=MPI.SUM)
-        return y
-
-    def vjp(self, comm, y_bar, x):
-        x_bar = np.empty(self.A.shape[1])
-        comm.Allreduce(self.A.T @ y_bar, x_bar, op=MPI.SUM)
-        return x_bar
 
 
 @pytest.fixture
@@ -61,7 +39,7 @@ def steady(call, repeat=3):
 
 
 def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction(counting):
-    op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
+    op = mpi_counts.Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
     w = jnp.array([1.0, -2.0, 0.5])
 
     def model(x):  # the README's
@@ -80,7 +58,7 @@ def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction(
 def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size(counting):
     # two calls of one operator fuse; their VJPs agree across ranks on the nonzero rows
     # of their cotangents: one more Allreduce, one byte per row, whatever the size
-    op = Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
+    op = mpi_counts.Matvec(np.random.default_rng(rank).standard_normal((3, 4)), comm=counting)
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x)), "g": jnp.sum(op(2 * x) ** 2)},
                              {"x": np.ones(4)}, comm=counting)
     for tally in steady(lambda: problem.compute_totals(["f", "g"], "x")):
@@ -90,7 +68,7 @@ def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size(counting)
 
 
 def test_a_replicated_input_s_totals_are_checked_on_a_program_s_first_call_only(counting):
-    op = Matvec(np.ones((2, 3)), comm=counting)
+    op = mpi_counts.Matvec(np.ones((2, 3)), comm=counting)
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": np.ones(3)},
                              comm=counting)
     with mpi_counts.counting() as first:

@@ -1,5 +1,6 @@
 """Failures end loudly on every rank, never in a hang; launcher guardrails; checking mode."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -397,3 +398,24 @@ def test_watchdog_report_says_where_every_rank_stands(monkeypatch):
         "No other rank is known to be computing: one failed, exited, or runs a different "
         "schedule (rank-dependent control flow; DISTOP_CHECK_COLLECTIVES=1 names it). "
         "Aborting the job."]
+
+
+def test_the_watchdog_names_a_step_of_making_a_problem_once(monkeypatch):
+    from distop import _coordinator
+
+    class TwoRanks:  # (a stand-in: every rank's part is this one's)
+        def Get_size(self):
+            return 2
+
+        def Allreduce(self, flag, found, op=None):
+            found[...] = flag
+
+    watched = []
+    monkeypatch.setattr(_watchdog.watchdog, "watch",
+                        lambda where: watched.append(where) or contextlib.nullcontext())
+    coordinator = object.__new__(_coordinator.Coordinator)
+    coordinator.comm = TwoRanks()
+    monkeypatch.setattr(_coordinator, "_max", lambda: None)
+    coordinator.agree("Problem: checking its arguments", lambda: 1)
+    coordinator.agree("run: tracing the program", lambda: 2)
+    assert watched == ["Problem: checking its arguments", "Problem: run: tracing the program"]

@@ -21,7 +21,7 @@ import numpy as np
 from .. import _checking, _profile, _watchdog
 from .._comm import checker
 from .._config import settings
-from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
+from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError, operator_error
 from .._guard import GuardedComm
 from .._runtime import abort
 from .base import HostCallable
@@ -483,15 +483,15 @@ def _fail(call: HostCall, err: BaseException) -> NoReturn:
             text += (". The arrays a method receives are read-only by design: they are "
                      "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
                      "to change it")
-        err = OperatorError(call._say(
-            text.encode("utf-8", "backslashreplace").decode("utf-8")))
+        err = operator_error(call._say(
+            text.encode("utf-8", "backslashreplace").decode("utf-8")), err)
         err.__cause__ = sys.exc_info()[1]
     size = call.comm.Get_size() if call.comm is not None else 1
     if call.checker is not None and not isinstance(err, CollectiveMismatchError):
         # Checking mode: tell the other ranks (they meet this message at their next
-        # check), so that every rank raises instead of aborting the job.
-        sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}")
-        sys.stderr.flush()
+        # check), so that every rank raises instead of aborting the job. Nothing is
+        # printed: the error reaches the caller with its cause, the method's traceback,
+        # and a caller that catches it sees no output.
         try:
             call.checker.agree(("failed", call.where))
         except CollectiveMismatchError as mismatch:

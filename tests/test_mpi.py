@@ -192,6 +192,8 @@ def test_doctor_under_mpiexec(nprocs, threads):
                         env={"OMP_NUM_THREADS": str(threads)})
     assert f"distop doctor: {nprocs} rank(s)" in out and "probe      ping-pong" in out, out
     assert out.count("distop doctor:") == 1, out  # one screen, from rank 0
+    assert "  compute    numpy kernel" in out and "slowest rank" in out, out
     crowded = nprocs * threads > _cores()
-    assert code == (1 if crowded else 0), out
-    assert ("oversubscribed" in out) == crowded and ("healthy" in out) != crowded, out
+    # (a machine shared with other work may warn of that too)
+    assert ("oversubscribed" in out) == crowded and (code == 0) == ("healthy" in out), out
+    assert code == 1 or not crowded, out

@@ -42,7 +42,14 @@ def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
     def locked(self: "Problem", *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
         with self._lock:
             _comm.check_live(self.comm)  # (freed with the user's: a DistopError, alike)
-            return method(self, *args, **kwargs)
+            profile = _profile.active
+            if profile is None:
+                return method(self, *args, **kwargs)
+            profile.entered()  # (the time between entries is the caller's own)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                profile.left(method.__name__)
     return locked
 
 

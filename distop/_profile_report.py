@@ -331,6 +331,12 @@ class Report:
 # in all (ns), stretch by stretch the median over those of one kind, stands out: below
 # it, the ranks take turns arriving last, as noise makes them.
 NOISE = 1_000_000
+# The share of the stretches of a kind at which a rank must work longer than the median
+# rank for its lateness there to count as systematic.
+STEADY = 0.8
+# The share of all the waiting at the meetings a rank's systematic lateness must make
+# up to stand out.
+SHARE = 0.1
 
 
 def _arrivals(every: Sequence[dict[str, Any]]) -> np.ndarray:
@@ -374,8 +380,10 @@ def _standing_out(every: Sequence[dict[str, Any]]) -> int | None:
     a collective together) to arriving at the next: the rank whose stretch is the
     longest arrives last. Against the median rank's, per kind of stretch (the names of
     the meetings it joins), the median over the stretches keeps what is systematic and
-    drops the noise of a rank descheduled now and then. A rank stands out where that,
-    summed over the stretches, is above `NOISE` and twice any other rank's.
+    drops the noise of a rank descheduled now and then; it counts where the rank worked
+    longer at `STEADY` of those stretches or more. A rank stands out where that, summed
+    over the stretches, is above `NOISE`, above `SHARE` of all the waiting at the
+    meetings, and twice any other rank's.
 
     **Arguments:**
     - `every`: per rank, its summary (`starts`, `ends` and `names` of its meetings).
@@ -397,10 +405,17 @@ def _standing_out(every: Sequence[dict[str, Any]]) -> int | None:
     score = np.zeros(ranks)
     for kind in dict.fromkeys(kinds.tolist()):
         chosen = kinds == kind
-        score += int(chosen.sum()) * np.maximum(np.median(longer[:, chosen], axis=1), 0.0)
+        # (systematic: longer than the median rank's at most stretches of the kind, as
+        # chance makes one rank at about half of them)
+        steady = np.mean(longer[:, chosen] > 0, axis=1) >= STEADY
+        score += np.where(steady, int(chosen.sum()) * np.maximum(
+            np.median(longer[:, chosen], axis=1), 0.0), 0.0)
     order = np.argsort(score)[::-1]
     top, second = int(order[0]), float(score[order[1]])
-    return top if score[top] >= NOISE and score[top] >= 2 * second else None
+    # (and a tenth of all the waiting at the meetings: less is the machine's noise)
+    late, _ = _lateness(_arrivals(every))
+    enough = max(NOISE, SHARE * float(late.sum()))
+    return top if score[top] >= enough and score[top] >= 2 * second else None
 
 
 def _alike(every: Sequence[dict[str, Any]]) -> int:

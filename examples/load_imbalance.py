@@ -19,7 +19,8 @@ table and a line `slowest rank: R`) names the rank the others waited for, how lo
 and where its extra time went.
 
 Options: --where {method,jax,outside} (default method), --slow-rank R (default: the
-last rank), --factor F (default 4), --rows N (rows per ordinary rank, default 4000),
+last rank), --factor F (default 4), --rows N (rows per ordinary rank, default 20000:
+enough work that the slow rank stands out of the noise of a busy machine),
 --size M (the length of x, default 48), --repeat K (profiled calls of run and
 compute_totals, default 10), --trace out.json (a Chrome trace for
 https://ui.perfetto.dev), --plot out.png (needs matplotlib: `pip install
@@ -77,7 +78,7 @@ def main(argv=None):
     parser.add_argument("--where", choices=("method", "jax", "outside"), default="method")
     parser.add_argument("--slow-rank", type=int, default=comm.size - 1)
     parser.add_argument("--factor", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=4000)
+    parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--size", type=int, default=48)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--trace")

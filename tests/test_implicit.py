@@ -333,3 +333,5 @@ def test_a_convergence_error_in_a_method_stays_a_convergence_error():
     with pytest.raises(linalg.ConvergenceError) as again:
         problem.run()
     assert type(again.value) is type(err)  # (one class for both kinds, made once)
+    # the method's own error is the cause: its traceback shows where the solve stopped
+    assert isinstance(again.value.__cause__, linalg.ConvergenceError)

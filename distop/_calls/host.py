@@ -495,7 +495,8 @@ def _fail(call: HostCall, err: BaseException) -> NoReturn:
         try:
             call.checker.agree(("failed", call.where))
         except CollectiveMismatchError as mismatch:
-            err = CollectiveMismatchError(f"{err}\n{mismatch}")
+            failed, err = err, CollectiveMismatchError(f"{err}\n{mismatch}")
+            err.__cause__ = failed.__cause__ or failed  # (the method's traceback)
     elif size > 1 and not isinstance(err, CollectiveMismatchError):
         # The other ranks may already wait in a collective (this operator's or a later
         # one) and cannot be told: report where we stand and end the job, never hang.

@@ -1,7 +1,6 @@
 """distop.linalg: Krylov solves of an uneven stencil against dense solves, their
 failures on every rank, and an implicit operator solved by them."""
 
-
 import numpy as np
 from helpers import (
     all_close_everywhere,
@@ -198,8 +197,9 @@ def test_a_convergence_error_in_a_method_is_caught_as_one_in_the_checking_mode(c
     distop.configure(check_collectives=True)
     capfd.readouterr()
     try:
+        mine = comm.Dup()
         problem = distop.Problem(lambda x: {"y": Unconverged(flow)(x)}, {"x": x},
-                                 distributed=["x", "y"])
+                                 distributed=["x", "y"], comm=mine)
         try:
             problem.run()
         except ConvergenceError as err:  # (as the docs suggest)
@@ -212,3 +212,5 @@ def test_a_convergence_error_in_a_method_is_caught_as_one_in_the_checking_mode(c
     assert f"Unconverged.forward on rank {rank}" in str(caught)
     printed = capfd.readouterr()
     assert "Traceback" not in printed.err and "Unconverged" not in printed.err, printed.err
+    mine.Free()  # (distop's private communicator goes with it, however long the error
+    # and its frames, holding the Problem, live on)

@@ -96,7 +96,7 @@ def test_with_no_rank_slowed_the_profile_names_none():
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x) ** 2)}, {"x": np.ones(4)})
     problem.run(), problem.compute_totals()
     with problem.profile() as prof:
-        for _ in range(6):
+        for _ in range(10):
             problem.run()
             problem.compute_totals()
     report = prof.report()

@@ -7,8 +7,9 @@ USAGE = """usage: python -m distop doctor
        mpiexec -n P python -m distop doctor
 
 doctor: the MPI library and launcher, ranks per node, cores, CPU affinity and threads
-per rank, jax's settings and a latency probe, every warning with its fix; exit status
-0 when healthy, 1 when a warning stands."""
+per rank, jax's settings, a latency probe, the same compute probe on every rank (the
+slowest named), the load average and the CPU time the ranks get, every warning with
+its fix; exit status 0 when healthy, 1 when a warning stands."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

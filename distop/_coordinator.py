@@ -81,7 +81,9 @@ class Coordinator:
         mine = (None if error is None else f"{type(error).__name__}: {error}", shared)
         every = [mine]
         if self.comm.Get_size() > 1:
-            with _watchdog.watchdog.watch(f"Problem: {what}"):
+            # (`what` may name the Problem itself: "Problem: checking its arguments")
+            where = what if what.startswith("Problem") else f"Problem: {what}"
+            with _watchdog.watchdog.watch(where):
                 # every rank's message and share only where some rank failed or
                 # something is shared: else one fixed-size reduction says all went well
                 if share is not None or self.any_rank(error is not None):

@@ -1,7 +1,9 @@
 """`python -m distop doctor`: what this job runs on, and what would slow it down.
 
 Run alone or under `mpiexec -n P`. Every rank reports its MPI, launcher, cores, CPU
-affinity and thread settings; rank 0 prints one screen, every warning with its fix.
+affinity and thread settings, and runs the same compute probe at once (how long a fixed
+kernel takes, and how much of a core the rank really gets); rank 0 prints one screen,
+every warning with its fix.
 The exit status is 0 where nothing stands in the way, 1 where a warning stands.
 """
 
@@ -23,6 +25,14 @@ from ._errors import MPIUnavailableError
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 # A barrier whose ranks leave it further apart than this (median) is worth a warning.
 SKEW_LIMIT = 0.05
+# A rank whose thread gets less than this share of a core while it computes alone is
+# losing its core to other processes (or to the hypervisor: CPU steal).
+CPU_SHARE_LIMIT = 0.8
+# CPU steal (the hypervisor running another guest on this one's cores) worth a warning.
+STEAL_LIMIT = 0.05
+# The slowest rank of the compute probe, as a multiple of the median rank, worth a
+# warning (identical work on every rank: the rest is the machine).
+SPREAD_LIMIT = 1.3
 
 
 class _Alone:
@@ -85,12 +95,80 @@ def compress(numbers: Sequence[int]) -> str:
 
 
 def facts(env: Mapping[str, str]) -> dict[str, Any]:
-    """**Returns:** this rank's facts: host, pid, cores it may use, thread settings."""
+    """**Returns:** this rank's facts: host, pid, cores it may use, thread settings, and
+    the node's load average (the last minute's, before the probes add to it)."""
     cores = affinity()
     count, source = threads(env, len(cores))
+    try:
+        load = float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        load = -1.0  # (unknown)
     return {"host": socket.gethostname(), "pid": os.getpid(), "cores": cores,
             "cpu_count": os.cpu_count() or 1, "threads": count, "threads_from": source,
-            "xla_flags": env.get("XLA_FLAGS", "")}
+            "xla_flags": env.get("XLA_FLAGS", ""), "load": load}
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """**Returns:** (steal, all) ticks of the node's CPUs since boot (Linux's
+    /proc/stat), or None where the system does not tell."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(v) for v in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def _numpy_kernel(x: np.ndarray) -> float:
+    """The numpy probe: elementwise work, one thread (no BLAS), the same on every rank."""
+    return float(np.sum(np.sin(x) * np.cos(x)))
+
+
+def compute_probe(comm: Any, rounds: int = 100) -> dict[str, float]:
+    """Time the same fixed kernels on every rank at once; collective.
+
+    A numpy kernel (elementwise, one thread) and a jitted JAX kernel, each the median of
+    `rounds`; over the numpy rounds, the CPU time this thread got against the wall time,
+    and the node's CPU steal.
+
+    **Arguments:**
+    - `comm`: the communicator.
+    - `rounds`: repetitions of each kernel.
+
+    **Returns:** this rank's seconds: `numpy`, `jax` (median per kernel), `cpu_share`
+    (CPU time / wall time, 1.0 when the thread had a core to itself) and `steal` (the
+    share of the node's CPU time the hypervisor gave elsewhere; 0.0 where unknown).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = np.linspace(0.0, 1.0, 1 << 16)
+    kernel = jax.jit(lambda v: jnp.sum(jnp.sin(v) * jnp.cos(v)))
+    xj = jnp.asarray(x)
+    kernel(xj).block_until_ready()  # (compiled before the clock starts)
+    _numpy_kernel(x)
+    comm.Barrier()  # (every rank computes at once, as in a job)
+    ticks, cpu, wall = _cpu_ticks(), time.thread_time(), time.perf_counter()
+    numpy_times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        _numpy_kernel(x)
+        numpy_times.append(time.perf_counter() - start)
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    after = _cpu_ticks()
+    steal = 0.0
+    if ticks is not None and after is not None and after[1] > ticks[1]:
+        steal = (after[0] - ticks[0]) / (after[1] - ticks[1])
+    jax_times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        kernel(xj).block_until_ready()
+        jax_times.append(time.perf_counter() - start)
+    return {"numpy": float(np.median(numpy_times)), "jax": float(np.median(jax_times)),
+            "cpu_share": min(1.0, cpu / wall) if wall > 0 else 1.0, "steal": steal}
 
 
 def oversubscribed(every: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -125,6 +203,98 @@ def oversubscribed(every: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
                    "(MPICH: mpiexec -bind-to core; Open MPI: --bind-to core; srun: "
                    "--cpu-bind=cores)")
         found.append((what, fix))
+    return found
+
+
+def _nodes(every: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """**Returns:** node name -> its ranks."""
+    nodes: dict[str, list[int]] = {}
+    for rank, mine in enumerate(every):
+        nodes.setdefault(mine["host"], []).append(rank)
+    return nodes
+
+
+def busy_machine(every: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Find what the machine takes from the job: other processes on the cores (the load
+    average, the CPU time a rank gets against wall time), CPU steal, and a rank slower
+    than the others at the same work.
+
+    **Arguments:**
+    - `every`: per rank, its `facts`, with its `compute_probe` under `"compute"`.
+
+    **Returns:** (warning, fix) per finding.
+    """
+    found = []
+    exclusive = ("run the job on cores no other work uses: ask the scheduler for whole "
+                 "nodes (srun --exclusive, #SBATCH --exclusive), or stop the other "
+                 "processes (top shows them), and bind each rank to its cores (MPICH: "
+                 "mpiexec -bind-to core; Open MPI: --bind-to core; srun: --cpu-bind=cores)")
+    for host, ranks in _nodes(every).items():
+        first = every[ranks[0]]
+        load, count = first.get("load", -1.0), first["cpu_count"]
+        mine = sum(every[r]["threads"] for r in ranks)
+        # (this job's own ranks count in the load at most once each)
+        others = load - len(ranks)
+        if load >= 0 and others > max(0.5, count - mine):
+            found.append((f"node {host}: other processes keep about {others:.0f} cores "
+                          f"busy (load average {load:.1f} over the last minute on "
+                          f"{count} cores, {len(ranks)} of them this job's ranks): they "
+                          "take turns with the ranks on the cores, and every collective "
+                          "waits for the rank descheduled last", exclusive))
+        computed = [(r, every[r]["compute"]) for r in ranks if "compute" in every[r]]
+        starved = [(r, c["cpu_share"]) for r, c in computed if c["cpu_share"] < CPU_SHARE_LIMIT]
+        if starved:
+            steal = max(c["steal"] for _, c in computed)
+            worst = min(share for _, share in starved)
+            crowded = mine > len({c for r in ranks for c in every[r]["cores"]})
+            who = ("this job's other ranks (oversubscribed, above) or other processes"
+                   if crowded else "other processes")
+            if steal > STEAL_LIMIT:
+                who += f" or the hypervisor (CPU steal {100 * steal:.0f}%)"
+            found.append((f"node {host}: rank(s) {compress([r for r, _ in starved])} got "
+                          f"as little as {100 * worst:.0f}% of a core while computing "
+                          f"(CPU time against wall time in the compute probe): {who} run "
+                          "on its cores", exclusive))
+        elif computed and max(c["steal"] for _, c in computed) > STEAL_LIMIT:
+            steal = max(c["steal"] for _, c in computed)
+            found.append((f"node {host}: CPU steal {100 * steal:.0f}%: the hypervisor gives "
+                          "this virtual machine's cores to others",
+                          "run on dedicated (bare-metal) nodes, or nodes whose virtual "
+                          "CPUs are pinned"))
+    spread = compute_spread(every)
+    if spread is not None:
+        for kernel, (slowest, ratio, _, _) in spread.items():
+            if ratio > SPREAD_LIMIT:
+                found.append((f"rank {slowest} (node {every[slowest]['host']}) ran the "
+                              f"same {kernel} kernel {ratio:.2f}x as long as the median "
+                              "rank: a busy or slower core or node, and every collective "
+                              f"waits for rank {slowest}",
+                              "look at that node (top, or htop per core) and bind each "
+                              "rank to its own core; leave a slower node out of the job "
+                              "(srun --exclude, or the hostfile)"))
+                break  # (one warning: the kernels agree on what the machine is)
+    return found
+
+
+def compute_spread(every: Sequence[dict[str, Any]]) -> dict[str, tuple[int, float, float,
+                                                                         float]] | None:
+    """The spread of the compute probe across ranks.
+
+    **Arguments:**
+    - `every`: per rank, its `facts` with `"compute"`.
+
+    **Returns:** per kernel (`numpy`, `jax`): (the slowest rank, its time / the median,
+    the median, the slowest's time), seconds; None where no rank has probed.
+    """
+    if not every or any("compute" not in mine for mine in every):
+        return None
+    found = {}
+    for kernel in ("numpy", "jax"):
+        times = np.array([mine["compute"][kernel] for mine in every])
+        median = float(np.median(times))
+        slowest = int(np.argmax(times))
+        found[kernel] = (slowest, float(times[slowest]) / median if median > 0 else 1.0,
+                         median, float(times[slowest]))
     return found
 
 
@@ -207,6 +377,7 @@ def diagnose(env: Mapping[str, str], every: Sequence[dict[str, Any]], library: s
             what, _, fix = mismatch.partition(" Fix: ")
             found.append((what, fix.rstrip(".") or "see docs/sharp-bits.md"))
     found += oversubscribed(every)
+    found += busy_machine(every)
     if jax_facts["async"]:
         found.append(("JAX's CPU async dispatch is on: XLA runs larger programs, and the "
                       "host calls in them, on a worker thread the caller then waits for",
@@ -264,6 +435,20 @@ def screen(env: Mapping[str, str], every: Sequence[dict[str, Any]], library: str
                      f"{1e6 * timings['skew']:.1f} us (median)")
     else:
         lines.append("  probe      one rank: no latency to measure")
+    spread = compute_spread(every)
+    if spread is not None:
+        parts = []
+        for kernel, (slowest, ratio, median, most) in spread.items():
+            parts.append(f"{kernel} kernel {1e6 * median:.0f} us median" + (
+                f", slowest rank {slowest} {1e6 * most:.0f} us ({ratio:.2f}x)"
+                if size > 1 else ""))
+        shares = [mine["compute"]["cpu_share"] for mine in every]
+        parts.append(f"CPU time / wall time {100 * min(shares):.0f}% (the least of a rank)")
+        lines.append("  compute    " + "; ".join(parts))
+    loads = {host: every[ranks[0]].get("load", -1.0) for host, ranks in nodes.items()}
+    known = [f"{host} {load:.1f}" for host, load in list(loads.items())[:8] if load >= 0]
+    if known:
+        lines.append("  load       average over the last minute: " + ", ".join(known))
     if warnings:
         for what, fix in warnings:
             lines.append(f"WARNING: {what}.\n  Fix: {fix}.")
@@ -291,7 +476,9 @@ def doctor(argv: Sequence[str] = ()) -> int:
         library, version = mpi.Get_library_version(), _mpi4py_version()
     except MPIUnavailableError as err:
         comm, library, version = _Alone(), "", f"unavailable: {err}"
-    every = comm.allgather(facts(os.environ))
+    mine = facts(os.environ)
+    mine["compute"] = compute_probe(comm)
+    every = comm.allgather(mine)
     timings = probe(comm)
     jax_facts = _jax_facts()
     warnings = diagnose(os.environ, every, library, comm.Get_size(), jax_facts, timings)

@@ -25,6 +25,37 @@ class OperatorError(DistopError, RuntimeError):
     """
 
 
+_both: dict[type, type] = {}  # a DistopError subclass -> its OperatorError twin
+
+
+def operator_error(message: str, cause: BaseException) -> OperatorError:
+    """The `OperatorError` reporting `cause`, raised in an operator's method.
+
+    Where `cause` is a `DistopError` of another kind (a `ConvergenceError` of a solve
+    inside the method, say), the error is of both kinds, so that an `except` for the
+    original kind still catches it; it keeps the original's attributes (`result`).
+
+    **Arguments:**
+    - `message`: the message, naming the operator, the phase and the rank.
+    - `cause`: the exception the method raised.
+
+    **Returns:** the error (its `__cause__` left to the caller).
+    """
+    kind = type(cause)
+    if not isinstance(cause, DistopError) or isinstance(cause, OperatorError):
+        return OperatorError(message)
+    both = _both.get(kind)
+    if both is None:
+        both = _both[kind] = type(kind.__name__, (OperatorError, kind),
+                                  {"__module__": kind.__module__,
+                                   "__qualname__": kind.__qualname__,
+                                   "__doc__": f"An `OperatorError` that is a "
+                                              f"`{kind.__name__}` too."})
+    err = both(message)
+    err.__dict__.update(cause.__dict__)
+    return err
+
+
 class MissingMethodError(OperatorError, NotImplementedError):
     """An operator lacks a method the requested computation needs.
 

@@ -50,7 +50,8 @@ class Executor:
                 if isinstance(err, ValueError) and str(cause) not in str(err):
                     cause = None  # a ValueError of its own
                 if cause is not None:
-                    raise cause from None
+                    # (JAX's error hidden; the method's own traceback kept as the cause)
+                    raise cause from cause.__cause__
                 raise
 
     def _run(self, program: Program, point: dict) -> dict:

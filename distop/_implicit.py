@@ -23,7 +23,7 @@ from jax import lax
 
 from ._calls.host import inexact_dtype
 from ._comm import private
-from ._errors import MissingMethodError, OperatorError
+from ._errors import MissingMethodError, OperatorError, operator_error
 from ._operator import DistributedOperator, apply, as_arrays, explicit_order
 
 _METHODS = {
@@ -386,7 +386,7 @@ def _checked(op: ImplicitOperator, method: str, comm: Any, *args: Any) -> Any:
                      "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
                      "to change it")
         # (one traceback, the user's frames in it: not a chain of two)
-        raise OperatorError(_say(op, method, comm, text)).with_traceback(
+        raise operator_error(_say(op, method, comm, text), err).with_traceback(
             err.__traceback__) from None
 
 

@@ -42,7 +42,14 @@ def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
     def locked(self: "Problem", *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
         with self._lock:
             _comm.check_live(self.comm)  # (freed with the user's: a DistopError, alike)
-            return method(self, *args, **kwargs)
+            profile = _profile.active
+            if profile is None:
+                return method(self, *args, **kwargs)
+            profile.entered()  # (the time between entries is the caller's own)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                profile.left(method.__name__)
     return locked
 
 
@@ -353,6 +360,7 @@ class Problem:
                      form: str = "central", step: float = 1e-6, atol: float = 1e-8,
                      rtol: float = 1e-6, out_stream: Any = _totals.STDOUT,
                      raise_on_error: bool = False, show_only_incorrect: bool = False,
+                     progress: bool = True,
                      ) -> dict[tuple[str, str], _totals.TotalsCheck]:
         """Compare `compute_totals` with finite differences, on every rank.
 
@@ -374,6 +382,9 @@ class Problem:
           at the call (redirected or captured, say); None prints nothing.
         - `raise_on_error`: raise `DerivativeCheckError` on every rank if a block fails.
         - `show_only_incorrect`: print only failing blocks.
+        - `progress`: where the check runs longer than a few seconds, show its progress
+          on rank 0's `out_stream` (a bar on a terminal, else a line every few
+          seconds); False shows none.
 
         **Returns:** dict of `(of, wrt)` -> `TotalsCheck` with `J`, `J_fd`, `abs_error`,
         `rel_error`, `ok`, `inconsistent_ranks`, `worst`, `allowed` and `fd_error`.
@@ -408,7 +419,8 @@ class Problem:
         return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
                                     atol=atol, rtol=rtol, out_stream=out_stream,
                                     raise_on_error=raise_on_error,
-                                    show_only_incorrect=show_only_incorrect)
+                                    show_only_incorrect=show_only_incorrect,
+                                    progress=progress)
 
 
     def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,

@@ -45,6 +45,30 @@ class CallRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class WaitRecord:
+    """One wait of distop's own for the other ranks (an agreement, a check), outside any
+    method, as one rank made it: `where` (the step, as the watchdog names it), `run`
+    (the program run it was in, -1 for none), `start` and `end` (ns since the profile
+    began)."""
+
+    where: str
+    run: int
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryRecord:
+    """One call of a Problem's entry point (`run`, `compute_totals` ...), whole: its
+    agreement, programs and all, `start` and `end` (ns since the profile began). The
+    time between entries is the caller's own."""
+
+    entry: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RunRecord:
     """One program run, as one rank ran it: its entry point (`run`, `compute_totals`
     ...), `start` and `end` (ns since the profile began, the end once it finished)."""
@@ -115,9 +139,45 @@ class Recorder:
         self.origin = origin
         self.calls: list[CallRecord] = []
         self.runs: list[RunRecord] = []
+        self.waits: list[WaitRecord] = []
+        self.entries: list[EntryRecord] = []
         self._run, self._run_start, self._position = -1, 0, 0
         # id(call) -> (the call, its timed communicator, when it started)
         self._open: dict[int, tuple[Any, TimedComm, int]] = {}
+        self._current: TimedComm | None = None  # the method running now, if one is
+        self._waiting, self._wait_start = 0, 0  # nested distop waits, the outermost's start
+        self._entered, self._entry_start = 0, 0  # nested entry points, the outermost's
+
+    def wait_started(self) -> None:
+        """Mark a wait of distop's own for the peers (`Watchdog.watch`) as starting."""
+        if self._waiting == 0:
+            self._wait_start = _now()
+        self._waiting += 1
+
+    def wait_ended(self, where: str) -> None:
+        """Record the wait `wait_started` began, in step `where`: the running method's
+        wait where one runs, else distop's own."""
+        self._waiting -= 1
+        if self._waiting:
+            return
+        start, end = self._wait_start - self.origin, _now() - self.origin
+        if self._current is not None:
+            self._current.slices.append((f"distop: {where}", start, end))
+        else:
+            self.waits.append(WaitRecord(where, self._run, start, end))
+
+    def entered(self) -> None:
+        """Mark a call of an entry point as starting (nested ones count as one)."""
+        if self._entered == 0:
+            self._entry_start = _now()
+        self._entered += 1
+
+    def left(self, entry: str) -> None:
+        """Record the call of entry point `entry` that `entered` began as ended."""
+        self._entered -= 1
+        if self._entered == 0:
+            self.entries.append(EntryRecord(entry, self._entry_start - self.origin,
+                                            _now() - self.origin))
 
     def started(self, call: Any) -> TimedComm:
         """Mark `call` (a `HostCall`) as starting now.
@@ -131,6 +191,7 @@ class Recorder:
         timed = TimedComm(call.guarded, self.origin) if found is None else found[1]
         timed.slices = []
         self._open[id(call)] = (call, timed, _now())
+        self._current = timed
         return timed
 
     def ended(self, call: Any) -> None:
@@ -141,6 +202,7 @@ class Recorder:
         """
         end = _now()
         _, timed, start = self._open[id(call)]
+        self._current = None
         slices = tuple(timed.slices)
         self.calls.append(CallRecord(
             self._run, self._position, type(call.op).__name__, call.label,
@@ -171,13 +233,19 @@ class Profile:
     - `comm`: the Problem's private communicator.
 
     Attributes (this rank's, filled once the profile has ended): `calls` (a
-    `CallRecord` per method call, in order), `runs` (a `RunRecord` per program run).
+    `CallRecord` per method call, in order), `runs` (a `RunRecord` per program run),
+    `waits` (a `WaitRecord` per wait of distop's own outside the methods), `entries`
+    (an `EntryRecord` per call of an entry point) and `span` (ns from the start of the
+    profile to its end).
     """
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.calls: tuple[CallRecord, ...] = ()
         self.runs: tuple[RunRecord, ...] = ()
+        self.waits: tuple[WaitRecord, ...] = ()
+        self.entries: tuple[EntryRecord, ...] = ()
+        self.span = 0
         self._recorder: Recorder | None = None
         self._report: _profile_report.Report | None = None
         self._ended = False
@@ -193,14 +261,17 @@ class Profile:
         # one clock origin on every rank, as close together as a barrier allows
         with _watchdog.watchdog.watch("Problem.profile: starting on every rank"):
             self.comm.Barrier()
-        self._recorder = active = Recorder(_now())
+        self._recorder = active = _watchdog.watchdog.timing = Recorder(_now())
         return self
 
     def __exit__(self, *exc: object) -> None:
         global active
-        active = None
-        if self._recorder is not None:
-            self.calls, self.runs = tuple(self._recorder.calls), tuple(self._recorder.runs)
+        active = _watchdog.watchdog.timing = None
+        recorder = self._recorder
+        if recorder is not None:
+            self.calls, self.runs = tuple(recorder.calls), tuple(recorder.runs)
+            self.waits, self.entries = tuple(recorder.waits), tuple(recorder.entries)
+            self.span = _now() - recorder.origin
         self._ended = True
 
     def _check_ended(self, what: str) -> None:
@@ -217,7 +288,8 @@ class Profile:
         """
         self._check_ended("report")
         if self._report is None:
-            mine = _profile_report.summarize(self.calls, self.runs)
+            mine = _profile_report.summarize(self.calls, self.runs, self.waits,
+                                             self.entries, self.span)
             with _watchdog.watchdog.watch("Profile.report: gathering every rank's times"):
                 every = self.comm.allgather(mine)
             self._report = _profile_report.Report.build(every)
@@ -246,7 +318,8 @@ class Profile:
         """
         self._check_ended("trace")
         with _watchdog.watchdog.watch("Profile.trace: gathering every rank's calls"):
-            every = self.comm.gather((self.calls, self.runs), root=0)
+            every = self.comm.gather((self.calls, self.runs, self.waits, self.entries,
+                                      self.span), root=0)
         return None if every is None else _profile_report.trace_events(every)
 
     def write_trace(self, path: str) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from . import _progress
 from ._assembly import Blocks, flat_counts, gather_columns, gather_rows
 from ._differences import (
     FORMS,
@@ -228,8 +229,8 @@ def check_complex_step(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...]
 
 def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...], *,
                  method: str, form: str, step: float, atol: float, rtol: float,
-                 out_stream: Any, raise_on_error: bool,
-                 show_only_incorrect: bool) -> dict[tuple[str, str], TotalsCheck]:
+                 out_stream: Any, raise_on_error: bool, show_only_incorrect: bool,
+                 progress: bool = True) -> dict[tuple[str, str], TotalsCheck]:
     """See `Problem.check_totals`: `of`, `wrt` and the options checked already."""
     if out_stream is STDOUT:
         out_stream = sys.stdout
@@ -239,27 +240,22 @@ def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     if not of or not wrt:
         say("check_totals: nothing to check (no floating-point outputs or inputs)")
         return {}
-    check_replicated(comm, evaluations.distributed, {**evaluations.point, **evaluations.run()},
-                     "check_totals")
-    started = time.perf_counter()
-    J = evaluations.compute_totals(of, wrt)
-    J_fd = _differences(evaluations, of, wrt, method, form, step, say)
-    say_progress = time.perf_counter() - started > 5
-    if say_progress:
-        say(f"check_totals: derivatives computed in {time.perf_counter() - started:.1f} s; "
-            "comparing on every rank")
-
-    results: dict[tuple[str, str], TotalsCheck] = {}
-    keys = [(o, w) for o in of for w in wrt]
-    every = comm.allgather([_digest(J[k]) + _digest(J_fd[k].value) for k in keys])
-    for i, k in enumerate(keys):
-        digests = [d[i] for d in every]
-        majority = max(set(digests), key=lambda d: (digests.count(d), d == digests[0]))
-        inconsistent = [r for r, d in enumerate(digests) if d != majority]
-        results[k] = _compare(J[k], J_fd[k], atol, rtol, inconsistent)
-    oks = comm.allgather([r.ok for r in results.values()])
-    for i, r in enumerate(results.values()):
-        r.ok = all(o[i] for o in oks) and not r.inconsistent_ranks
+    shown = out_stream if progress and rank == 0 else None
+    with _progress.Progress("check_totals", 4, shown) as steps:
+        if shown is not None:
+            say = steps.say  # (past the bar on a terminal)
+        steps.next("checking that replicated values agree across ranks")
+        check_replicated(comm, evaluations.distributed,
+                         {**evaluations.point, **evaluations.run()}, "check_totals")
+        started = time.perf_counter()
+        steps.next("computing the totals")
+        J = evaluations.compute_totals(of, wrt)
+        J_fd = _differences(evaluations, of, wrt, method, form, step, say, steps)
+        if time.perf_counter() - started > 5:
+            say(f"check_totals: derivatives computed in {time.perf_counter() - started:.1f}"
+                " s; comparing on every rank")
+        steps.next("comparing on every rank")
+        results = _judge(comm, of, wrt, J, J_fd, atol, rtol)
 
     if out_stream is not None and rank == 0:
         _table(results, say, show_only_incorrect)
@@ -273,6 +269,24 @@ def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
                 f" [inconsistent ranks {results[o, w].inconsistent_ranks}]"
                 if results[o, w].inconsistent_ranks else _worst_words(results[o, w]))
                 for o, w in failed))
+    return results
+
+
+def _judge(comm: Any, of: tuple[str, ...], wrt: tuple[str, ...], J: Blocks,
+           J_fd: dict[tuple[str, str], Estimate], atol: float,
+           rtol: float) -> dict[tuple[str, str], TotalsCheck]:
+    """Judge every block on every rank, and find the ranks whose blocks differ."""
+    results: dict[tuple[str, str], TotalsCheck] = {}
+    keys = [(o, w) for o in of for w in wrt]
+    every = comm.allgather([_digest(J[k]) + _digest(J_fd[k].value) for k in keys])
+    for i, k in enumerate(keys):
+        digests = [d[i] for d in every]
+        majority = max(set(digests), key=lambda d: (digests.count(d), d == digests[0]))
+        inconsistent = [r for r, d in enumerate(digests) if d != majority]
+        results[k] = _compare(J[k], J_fd[k], atol, rtol, inconsistent)
+    oks = comm.allgather([r.ok for r in results.values()])
+    for i, r in enumerate(results.values()):
+        r.ok = all(o[i] for o in oks) and not r.inconsistent_ranks
     return results
 
 
@@ -336,8 +350,8 @@ def _say_steps(J_fd: dict[tuple[str, str], Estimate], method: str, form: str, st
 
 
 def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...],
-                 method: str, form: str, step: float, say: Say) -> dict[tuple[str, str],
-                                                                      Estimate]:
+                 method: str, form: str, step: float, say: Say,
+                 progress: _progress.Progress) -> dict[tuple[str, str], Estimate]:
     """Every perturbation of every `wrt` entry, at the step and twice the step, as one
     batched program call, and the estimates they give with their own errors.
 
@@ -390,6 +404,7 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     if len(factors) * n > 256:
         say(f"check_totals: evaluating {len(factors) * n} perturbed points in one batched "
             "call")
+    progress.next(f"evaluating {len(factors) * n} perturbed points")
     values = evaluations.perturbed(FDOptions(tuple(wrt), form, step, method), deltas)
     base = evaluations.run() if needs_base(method, form) else None
     estimates: dict[tuple[str, str], Estimate] = {}

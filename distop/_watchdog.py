@@ -62,6 +62,9 @@ class Watchdog:
         self._mpi_lock = threading.Lock()
         self._closed = False
         self._exit_set = False  # whether the wait at exit is registered
+        # the active profile's recorder, which times every watched wait; None while
+        # no profile is active (see `_profile.Profile`)
+        self.timing: Any = None
 
     def watch(self, where: str) -> "_Watch":
         """A context manager marking this thread as waiting for its peers in step `where`.
@@ -305,9 +308,13 @@ class _Watch:
 
     def __enter__(self) -> None:
         self.dog._mark(WAITING, self.where)
+        if self.dog.timing is not None:
+            self.dog.timing.wait_started()
 
     def __exit__(self, *exc: object) -> None:
         self.dog._unmark()
+        if self.dog.timing is not None:
+            self.dog.timing.wait_ended(self.where)
 
 
 class _Busy:

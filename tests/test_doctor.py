@@ -74,8 +74,58 @@ def test_doctor_alone(threads):
     for line in ("distop doctor: 1 rank(s) on 1 node(s)", "  MPI ", "mpi4py", "  launcher ",
                  "cores", f"OMP_NUM_THREADS={threads}", "  jax ", "x64", "async dispatch"):
         assert line in out, out + proc.stderr
+    assert "  compute    numpy kernel" in out and "jax kernel" in out, out
     if threads == "1":
-        assert proc.returncode == 0 and "healthy" in out, out + proc.stderr
+        # (a machine shared with other work may warn of that, and only of that)
+        assert "oversubscribed" not in out, out
+        assert (proc.returncode == 0) == ("healthy" in out), out + proc.stderr
     else:
         assert proc.returncode == 1, out + proc.stderr
         assert "WARNING: node" in out and "Fix: export OMP_NUM_THREADS=" in out, out
+
+
+def probed(numpy=1e-3, share=1.0, steal=0.0, **kwargs):
+    return {**rank(**kwargs), "load": kwargs.get("load", 0.5),
+            "compute": {"numpy": numpy, "jax": numpy / 2, "cpu_share": share,
+                        "steal": steal}}
+
+
+def test_other_processes_on_the_cores_are_found_with_their_fix():
+    quiet = [probed(cores=(0, 1)), probed(cores=(2, 3))]
+    assert _doctor.busy_machine(quiet) == []
+    loaded = [{**probed(), "load": 14.0}, {**probed(), "load": 14.0}]
+    ((what, fix),) = _doctor.busy_machine(loaded)
+    assert "node node0: other processes keep about 12 cores busy" in what, what
+    assert "load average 14.0" in what and "--exclusive" in fix and "bind" in fix
+    starved = [probed(share=0.4), probed(share=0.95), probed(share=0.3, steal=0.2)]
+    ((what, fix),) = _doctor.busy_machine(starved)
+    assert "rank(s) 0,2 got as little as 30% of a core" in what, what
+    assert "CPU steal 20%" in what and "--exclusive" in fix
+
+
+def test_the_slowest_rank_of_the_compute_probe_is_named():
+    every = [probed(numpy=1e-3), probed(numpy=1e-3), probed(numpy=3e-3), probed()]
+    ((what, fix),) = _doctor.busy_machine(every)
+    assert what.startswith("rank 2 (node node0) ran the same numpy kernel 3.00x"), what
+    assert "waits for rank 2" in what and fix
+    facts = {"jax": "0", "jaxlib": "0", "devices": ["cpu:0"], "x64": True, "async": False}
+    quiet = {"pingpong": 0.0, "allreduce": 0.0, "barrier": 0.0, "skew": 0.0}
+    text = _doctor.screen({}, every, "MPICH Version: 4", "4.0", facts, quiet, [])
+    assert "numpy kernel 1000 us median, slowest rank 2 3000 us (3.00x)" in text, text
+    assert "  load       average over the last minute: node0 0.5" in text, text
+
+
+def test_the_doctor_warns_where_other_processes_load_the_cores():
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(3 * (os.cpu_count() or 1))]
+    try:
+        proc = doctor(OMP_NUM_THREADS="1")
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert "of a core while computing" in out and "  Fix: run the job on cores no " \
+        "other work uses" in out, out

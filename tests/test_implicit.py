@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import distop
+from distop import linalg
 
 N = 6
 _rng = np.random.default_rng(7)
@@ -308,3 +309,29 @@ def test_linear_transpose_of_an_implicit_operator_says_what_to_do():
         jax.linear_transpose(Third(), jnp.ones(2))(jnp.ones(2))
     _, pull = jax.vjp(Third(), jnp.ones(2))  # the transpose it points to
     np.testing.assert_allclose(pull(jnp.ones(2))[0], np.full(2, 1.0 / 3.0), rtol=1e-15)
+
+
+def test_a_convergence_error_in_a_method_stays_a_convergence_error():
+    class Unconverged(Scaled):
+        def solve(self, comm, b, k, c):
+            return linalg.cg(None, lambda v: k * (A @ v), b + c, maxiter=1,
+                                    name="Unconverged.solve").x
+
+    problem = distop.Problem(lambda b: {"y": Unconverged()(b, 1.0, 0.0)}, {"b": np.ones(N)})
+    with pytest.raises(linalg.ConvergenceError) as info:
+        problem.run()
+    err = info.value
+    assert isinstance(err, distop.OperatorError), type(err).__mro__
+    assert "Unconverged.solve on rank 0: raised ConvergenceError" in str(err)
+    assert err.result is not None and not err.result.converged  # (its SolveResult kept)
+
+    class Plain(distop.DistributedOperator):
+        def forward(self, comm, b):
+            return linalg.cg(None, lambda v: A @ v, b, maxiter=1, name="Plain.forward").x
+
+    problem = distop.Problem(lambda b: {"y": Plain()(b)}, {"b": np.ones(N)})
+    with pytest.raises(linalg.ConvergenceError) as again:
+        problem.run()
+    assert type(again.value) is type(err)  # (one class for both kinds, made once)
+    # the method's own error is the cause: its traceback shows where the solve stopped
+    assert isinstance(again.value.__cause__, linalg.ConvergenceError)

@@ -83,17 +83,55 @@ def test_imbalance_across_ranks_from_gathered_summaries():
 
     report = Report.build([summary(100, 200), summary(100, 200), summary(300, 0)])
     (row,) = report.operators
-    assert row.slowest_rank == report.slowest_rank == 2
+    assert row.slowest_rank == 2 and report.slowest_rank is None  # (no meetings known)
     assert row.compute_max == pytest.approx(300e-9) and row.wait_median == pytest.approx(200e-9)
     assert row.imbalance == pytest.approx(300 / (500 / 3))
     assert row.wait_share == pytest.approx(400 / 900)
     table = report.table(calls=True)
-    assert "slowest rank: 2" in table and "run[0] Op.forward" in table
+    assert "slowest rank: none" in table and "run[0] Op.forward" in table
+
+
+def meeting(work, outside=0, jax=0, compute=100, names=None):
+    """A rank's summary that worked `work[k]` (ns) before its meeting k, of four, each
+    meeting ending 10 ms after the one before it."""
+    ends = [10_000_000 * (k + 1) for k in range(4)]
+    return {"operators": {("Op", "forward"): [4, compute, 0, compute]}, "positions": {},
+            "runs": {"run": 4}, "wall": 10_000_000, "host": compute, "jax": jax,
+            "outside": outside, "agreement": 0, "distop": 0, "ends": ends,
+            "starts": [end - 10_000_000 + w for end, w in zip(ends, work)],
+            "names": names or ["Allreduce", "distop: Problem: agreeing", "Allreduce",
+                               "Allreduce"]}
+
+
+def test_the_headline_names_the_rank_the_others_waited_for_and_where_its_time_went():
+    ms = 1_000_000
+    report = Report.build([meeting([ms] * 4), meeting([ms] * 4),
+                           meeting([6 * ms] * 4, outside=40 * ms, jax=3 * ms)])
+    assert report.slowest_rank == 2 and report.last.tolist() == [0, 0, 4]
+    assert report.arrivals.shape == (3, 4) and report.arrivals[:, 1].tolist() == [
+        pytest.approx(-5e-3), pytest.approx(-5e-3), 0.0]
+    assert report.late[2] == pytest.approx(2 * 4 * 5e-3)  # two ranks, four meetings
+    assert report.extra[0] == ("its own code between calls", pytest.approx(40e-3))
+    headline = report.table().splitlines()[-1]
+    assert headline.startswith("slowest rank: 2 (the others waited 40 ms in all for it, "
+                               "last to arrive at 4 of 4 meetings; its extra time"), headline
+    assert "its own code between calls +40 ms" in headline, headline
+    # the ranks taking turns, as noise does: no rank stands out
+    names = ["Allreduce"] * 4
+    turns = Report.build([meeting([ms, 9 * ms, ms, ms], names=names),
+                          meeting([ms, ms, ms, 9 * ms], names=names)])
+    assert turns.slowest_rank is None and turns.late.tolist() == [
+        pytest.approx(8e-3), pytest.approx(8e-3)]
+    assert turns.headline().startswith("slowest rank: none stands out"), turns.headline()
+    # ranks that met differently from some point on are compared up to it
+    other = meeting([0, 0, 0, 0])
+    other["names"] = other["names"][:2] + ["Bcast", "Allreduce"]
+    assert Report.build([other, meeting([ms] * 4)]).arrivals.shape == (2, 2)
 
 
 def test_summaries_of_no_calls_make_an_empty_report():
     report = Report.build([summarize([], [])])
-    assert report.operators == () and "slowest rank: 0" in report.table()
+    assert report.operators == () and "slowest rank: none" in report.table()
 
 
 def test_the_trace_follows_the_trace_event_format(profiled, tmp_path):
@@ -103,7 +141,7 @@ def test_the_trace_follows_the_trace_event_format(profiled, tmp_path):
     check_trace(document)
     events = [e for e in document["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in document["traceEvents"]} == {0}
-    assert {e["cat"] for e in events} == {"program", "method", "mpi"}
+    assert {e["cat"] for e in events} == {"program", "method", "mpi", "outside"}
     assert sum(e["name"] == "RankSum.forward" for e in events) == 4
     assert sum(e["name"] == "Allreduce" for e in events) == 4
     names = [e for e in document["traceEvents"] if e["ph"] == "M"]

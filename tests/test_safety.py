@@ -1,5 +1,6 @@
 """Failures end loudly on every rank, never in a hang; launcher guardrails; checking mode."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -451,3 +452,24 @@ def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
     assert asker._held(now + 1.0, 60.0, longest=61.0)  # (rank 3 computes)
     asker._relayed = {0: (now - 59.0, relayed[0][1])}  # (news older than the limit)
     assert not asker._held(now + 1.0, 60.0, longest=61.0)
+
+
+def test_the_watchdog_names_a_step_of_making_a_problem_once(monkeypatch):
+    from distop import _coordinator
+
+    class TwoRanks:  # (a stand-in: every rank's part is this one's)
+        def Get_size(self):
+            return 2
+
+        def Allreduce(self, flag, found, op=None):
+            found[...] = flag
+
+    watched = []
+    monkeypatch.setattr(_watchdog.watchdog, "watch",
+                        lambda where: watched.append(where) or contextlib.nullcontext())
+    coordinator = object.__new__(_coordinator.Coordinator)
+    coordinator.comm = TwoRanks()
+    monkeypatch.setattr(_coordinator, "_max", lambda: None)
+    coordinator.agree("Problem: checking its arguments", lambda: 1)
+    coordinator.agree("run: tracing the program", lambda: 2)
+    assert watched == ["Problem: checking its arguments", "Problem: run: tracing the program"]

@@ -6,6 +6,7 @@ import fractions
 import inspect
 import io
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -317,3 +318,56 @@ def test_an_exact_jacobian_of_a_cancellation_passes_at_the_default_settings(bits
                                    {"x": x.astype(dtype)})
             r = wrong.check_totals(out_stream=None, step=step)["y", "x"]
             assert not r.ok, (middle, step, r.abs_error, r.allowed)
+
+
+class Slow(distop.DistributedOperator):
+    """x ** 2, each call slowed by `pause` seconds (a long check)."""
+
+    pause = 0.05
+
+    def forward(self, comm, x):
+        time.sleep(self.pause)
+        return x ** 2
+
+    def vjp(self, comm, y_bar, x):
+        time.sleep(self.pause)
+        return 2 * x * y_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_long_check_totals_shows_its_progress(monkeypatch):
+    from distop import _progress
+
+    monkeypatch.setattr(_progress, "AFTER", 0.0)  # (as if the check had run long)
+    monkeypatch.setattr(_progress, "EVERY", 0.05)
+    monkeypatch.setattr(_progress, "TICK", 0.05)
+    problem = distop.Problem(lambda x: {"y": jnp.sum(Slow()(x))}, {"x": np.arange(3.0)})
+    out = io.StringIO()
+    assert all(r.ok for r in problem.check_totals(out_stream=out).values())
+    lines = out.getvalue().splitlines()
+    steps = [line for line in lines if line.startswith("check_totals: step ")]
+    assert steps and all(re.fullmatch(r"check_totals: step [1-4] of 4, .*; \d+ s so far", s)
+                         for s in steps), lines
+    assert any("evaluating 12 perturbed points" in s for s in steps), steps
+    assert "J_fd" in out.getvalue()  # (the table, after the progress)
+
+    bar = Terminal()
+    problem.check_totals(out_stream=bar)
+    shown = bar.getvalue()
+    assert "\rcheck_totals [" in shown and "] 4/4 " in shown, shown  # (finished)
+    assert "\n" not in shown.split("J_fd")[0].split("\r")[1], shown  # (one line, redrawn)
+
+    quiet = io.StringIO()
+    problem.check_totals(out_stream=quiet, progress=False)
+    assert "check_totals: step" not in quiet.getvalue() and "J_fd" in quiet.getvalue()
+
+
+def test_short_work_shows_no_progress():
+    problem = distop.Problem(lambda x: {"z": jnp.sum(x ** 2)}, {"x": np.arange(3.0)})
+    out = Terminal()
+    problem.check_totals(out_stream=out)
+    assert "check_totals [" not in out.getvalue() and "step" not in out.getvalue()

@@ -21,7 +21,7 @@ import numpy as np
 from .. import _checking, _profile, _watchdog
 from .._comm import checker
 from .._config import settings
-from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
+from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError, operator_error
 from .._guard import GuardedComm
 from .._runtime import abort
 from .base import HostCallable
@@ -483,19 +483,20 @@ def _fail(call: HostCall, err: BaseException) -> NoReturn:
             text += (". The arrays a method receives are read-only by design: they are "
                      "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
                      "to change it")
-        err = OperatorError(call._say(
-            text.encode("utf-8", "backslashreplace").decode("utf-8")))
+        err = operator_error(call._say(
+            text.encode("utf-8", "backslashreplace").decode("utf-8")), err)
         err.__cause__ = sys.exc_info()[1]
     size = call.comm.Get_size() if call.comm is not None else 1
     if call.checker is not None and not isinstance(err, CollectiveMismatchError):
         # Checking mode: tell the other ranks (they meet this message at their next
-        # check), so that every rank raises instead of aborting the job.
-        sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}")
-        sys.stderr.flush()
+        # check), so that every rank raises instead of aborting the job. Nothing is
+        # printed: the error reaches the caller with its cause, the method's traceback,
+        # and a caller that catches it sees no output.
         try:
             call.checker.agree(("failed", call.where))
         except CollectiveMismatchError as mismatch:
-            err = CollectiveMismatchError(f"{err}\n{mismatch}")
+            failed, err = err, CollectiveMismatchError(f"{err}\n{mismatch}")
+            err.__cause__ = failed.__cause__ or failed  # (the method's traceback)
     elif size > 1 and not isinstance(err, CollectiveMismatchError):
         # The other ranks may already wait in a collective (this operator's or a later
         # one) and cannot be told: report where we stand and end the job, never hang.

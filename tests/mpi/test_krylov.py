@@ -1,7 +1,6 @@
 """distop.linalg: Krylov solves of an uneven stencil against dense solves, their
 failures on every rank, and an implicit operator solved by them."""
 
-
 import numpy as np
 from helpers import (
     all_close_everywhere,
@@ -178,3 +177,40 @@ def test_an_implicit_operator_solves_forward_and_adjoint_with_krylov():
     J = problem.compute_totals("y", "x")["y", "x"]
     all_close_everywhere(comm, J, np.linalg.inv(flow.dense()), rtol=1e-8, atol=1e-10)
     assert all(c.ok for c in problem.check_totals(out_stream=None).values())
+
+
+def test_a_convergence_error_in_a_method_is_caught_as_one_in_the_checking_mode(capfd):
+    from distop.linalg import ConvergenceError
+
+    counts = uneven_rows(13)
+    flow = Stencil3(counts, -1.3, 2.5, -0.7)
+
+    class Unconverged(ImplicitFlow):
+        def forward(self, comm, x):
+            from distop.linalg import gmres
+
+            return gmres(comm, lambda v: self.stencil.matvec(comm, v), x, maxiter=1,
+                         name="Unconverged.forward").x
+
+    x = flow.mine(np.linspace(0.5, 1.5, sum(counts)))
+    before = distop.configure().check_collectives
+    distop.configure(check_collectives=True)
+    capfd.readouterr()
+    try:
+        mine = comm.Dup()
+        problem = distop.Problem(lambda x: {"y": Unconverged(flow)(x)}, {"x": x},
+                                 distributed=["x", "y"], comm=mine)
+        try:
+            problem.run()
+        except ConvergenceError as err:  # (as the docs suggest)
+            caught = err
+        else:
+            raise AssertionError("no ConvergenceError")
+    finally:
+        distop.configure(check_collectives=before)
+    assert isinstance(caught, distop.OperatorError), type(caught).__mro__
+    assert f"Unconverged.forward on rank {rank}" in str(caught)
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.err and "Unconverged" not in printed.err, printed.err
+    mine.Free()  # (distop's private communicator goes with it, however long the error
+    # and its frames, holding the Problem, live on)

@@ -8,10 +8,11 @@ import pytest
 from helpers import RowScale
 from jax.extend.core import jaxpr_as_fun
 
-from distop import _ffi
-from distop._calls.fused import FusedCall
-from distop._passes import base, fold, fuse, identity, pipeline, rows, unused
-from distop._passes.jaxprs import lean_calls
+from distop._compiler import pipeline
+from distop._compiler.jaxprs import lean_calls
+from distop._compiler.passes import base, fold, fuse, identity, rows, unused
+from distop._hostcalls import ffi as _ffi
+from distop._hostcalls.fused import FusedCall
 
 X = np.array([0.5, 2.0])
 TOKEN = jax.ShapeDtypeStruct((), np.float64)

@@ -14,8 +14,9 @@ import pytest
 from helpers import CORE, ROOT, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
 import distop
-from distop import _config, _watchdog
-from distop._launch import diagnose
+from distop import _config
+from distop._mpi.launch import diagnose
+from distop._safety import watchdog as _watchdog
 
 MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
 OPEN_MPI = "Open MPI v5.0.3, package: Open MPI Distribution, ident: 5.0.3"

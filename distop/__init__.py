@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from . import _compat
+from . import linalg as linalg
 from ._collectives.basic import Allgather as Allgather
 from ._collectives.basic import AllreduceSum as AllreduceSum
 from ._collectives.basic import Alltoall as Alltoall
@@ -17,8 +18,12 @@ from ._collectives.rooted import Gather as Gather
 from ._collectives.rooted import Reduce as Reduce
 from ._collectives.rooted import Scatter as Scatter
 from ._compiler.schedule import ScheduleEntry as ScheduleEntry
+from ._config import Settings as Settings
 from ._config import configure as configure
+from ._diagnostics.profile import Profile as Profile
+from ._diagnostics.report import Report as Report
 from ._errors import CollectiveMismatchError as CollectiveMismatchError
+from ._errors import ConvergenceError as ConvergenceError
 from ._errors import DerivativeCheckError as DerivativeCheckError
 from ._errors import DistopError as DistopError
 from ._errors import LauncherMismatchError as LauncherMismatchError

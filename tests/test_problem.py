@@ -1435,3 +1435,13 @@ def test_replicated_values_compare_as_values():
                                                              np.array([1.0, 2.0]))
     assert "NaN on one side only" in _difference(np.array([np.nan]), np.array([1.0]))
     assert "has shape (2,), rank 0 (1,)" in _difference(np.ones(2), np.ones(1))
+
+
+def test_a_problems_configuration_is_read_only():
+    problem = distop.Problem(lambda x: {"f": jnp.sum(x ** 2)}, {"x": np.arange(3.0)},
+                             fuse=False, copy=None)
+    assert (problem.fuse, problem.copy) == (False, None)
+    assert problem.backend in ("lean", "io_callback") and callable(problem.model)
+    for name in ("model", "backend", "fuse", "copy"):
+        with pytest.raises(AttributeError):
+            setattr(problem, name, getattr(problem, name))

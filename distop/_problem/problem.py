@@ -86,7 +86,8 @@ class Problem:
       converted.
 
     **Returns:** the Problem. Its attributes: `schedule`, `input_names`, `output_names`,
-    `distributed`.
+    `distributed`, and the configuration it was made with, read-only: `model`,
+    `backend`, `fuse`, `copy`.
 
     **Raises:** `TypeError` for a model that is not callable or inputs that are not a
     non-empty dict; `ValueError` for an unknown `backend`, `copy` or name in
@@ -115,7 +116,7 @@ class Problem:
                  check_replicated: bool = False, backend: str | None = None,
                  fuse: bool | None = None, copy: bool | None = True) -> None:
         self.comm = _comm.private(comm)
-        self.model = model
+        self._model = model
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
         self.check_replicated = check_replicated
@@ -125,7 +126,7 @@ class Problem:
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)
-        self.backend, self.copy, self._point, size = self._coordinator.agree(
+        self._backend, self._copy, self._point, size = self._coordinator.agree(
             "Problem: checking its arguments",
             lambda: (*check_arguments(model, inputs, backend or os.environ.get(
                 "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()))
@@ -142,7 +143,7 @@ class Problem:
                 + "\n".join(f"  rank {r}: {names}" for r, names in enumerate(every))
                 + "\nName the same inputs and outputs on every rank.")
         self._coordinator.widen([int(top[0])])
-        self.fuse = fused
+        self._fuse = fused
         self.input_names = tuple(self._point)
         self._programs = Programs(model, self._coordinator, self.backend, self.fuse, size)
         self._executor = Executor(self._coordinator)
@@ -169,6 +170,27 @@ class Problem:
         if schedule is None:  # (or nothing to differentiate)
             schedule = self._programs.program("run", (), layout).schedule
         self._schedule: tuple[ScheduleEntry, ...] = schedule
+
+    # -- configuration, fixed at construction ---------------------------------------
+    @property
+    def model(self) -> Callable[..., dict[str, Any]]:
+        """The model function this Problem traces."""
+        return self._model
+
+    @property
+    def backend(self) -> str:
+        """How operators are called from the programs: `"lean"` or `"io_callback"`."""
+        return self._backend
+
+    @property
+    def fuse(self) -> bool:
+        """Whether neighbouring operator calls on the lean path run in one host call."""
+        return self._fuse
+
+    @property
+    def copy(self) -> bool | None:
+        """Whether distop copies numpy array inputs: True, None or False (see `Problem`)."""
+        return self._copy
 
     # -- public entry points --------------------------------------------------------
     @property

@@ -279,16 +279,16 @@ def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_i
               "unordered operator": (lambda x: {"f": jnp.sum(op(unordered(x)))}, False),
               "pure callback": (lambda x: {"f": jnp.sum(op(jax.pure_callback(
                   np.negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)))}, False)}
-    for name, (model, ahead) in models.items():
+    for name, (model, makes_agreement) in models.items():
         problem = distop.Problem(model, {"x": x0})
         problem.run()
-        assert _programs(problem)["run"].ahead is ahead, name
+        assert _programs(problem)["run"].makes_agreement is makes_agreement, name
     problem = distop.Problem(models["plain"][0], {"x": x0}, backend="io_callback")
     problem.run()
-    assert not _programs(problem)["run"].ahead
+    assert not _programs(problem)["run"].makes_agreement
     # nor does an FFI call of the model's own (its target could communicate)
     own_ffi = jax.make_jaxpr(jax.ffi.ffi_call("a_target", jax.ShapeDtypeStruct((), x0.dtype)))
-    assert [distop._compiler.programs.not_ahead(e) for e in own_ffi().eqns] == [True]
+    assert [distop._compiler.programs.blocks_agreement(e) for e in own_ffi().eqns] == [True]
 
 
 def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():

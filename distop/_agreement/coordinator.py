@@ -5,6 +5,7 @@ rewriting a program, the request of a call) ends in one collective on every rank
 that an error on one rank is an error on every rank and no rank waits for another.
 """
 
+import enum
 import hashlib
 import itertools
 from collections.abc import Callable
@@ -22,6 +23,15 @@ _serials = _comm.PerCommunicator()  # private communicator -> count of Problems 
 _widths = _comm.PerCommunicator()  # private communicator -> its agreements' row width
 
 
+class Failure(enum.Enum):
+    """One rank's view of a step that failed on it, as the ranks decide together
+    whether to go on without it (`Coordinator.go_on_without`)."""
+
+    LEFT_FOR_LATER = "later"  # this rank may go on; the step's error comes when used
+    ON_OTHER_RANKS = "others"  # it failed because another rank did
+    RAISE_NOW = "raise"  # this rank must raise now
+
+
 class Missed(Exception):
     """A program found that the ranks disagree (see `CallAgreement`)."""
 
@@ -34,12 +44,12 @@ class Coordinator:
     ```
     idle ──request()──► agreed ──(program runs)──► idle
       │                   ▲
-      │ (seen before)     │ settle(): the ranks agree
+      │ (seen before)     │ ranks_disagree(): the ranks agree
       ▼                   │
     pending ──────────────┤ made before the program, or by its first host call
-                          │ settle(): the ranks disagree
+                          │ ranks_disagree(): the ranks disagree
                           ▼
-                        missed ──agreed() runs the call again──► request() reads
+                        missed ──retry_if_missed() runs the call again──► request() reads
                                   what every rank sent (`gathered`) ──► agreed or raised
     ```
 
@@ -62,7 +72,7 @@ class Coordinator:
         self._gathered: np.ndarray | None = None  # every rank's part of one made, unread
 
     # -- steps of making a Problem or a program -------------------------------------
-    def agree(self, what: str, thunk: Callable[[], Any],
+    def collective_step(self, what: str, thunk: Callable[[], Any],
               share: Callable[[Any], Any] | None = None) -> Any:
         """Run `thunk` on every rank; if it raises on any rank, raise on every rank.
 
@@ -120,12 +130,11 @@ class Coordinator:
         Problems with other numbers of distributed inputs send messages of one size."""
         _widths[self.comm] = max(_widths.get(self.comm, 2), *widths)
 
-    def go_on_without(self, mine: str) -> bool:
+    def go_on_without(self, mine: Failure) -> bool:
         """Decide with every rank whether a failed step is left for later.
 
         **Arguments:**
-        - `mine`: this rank's view: `"later"` (it may wait), `"raise"` (it must raise
-          now) or `"others"` (it failed because another rank did).
+        - `mine`: this rank's view (a `Failure`).
 
         **Returns:** whether every rank goes on: some rank may wait and none must raise.
         """
@@ -133,12 +142,12 @@ class Coordinator:
         if self.comm.Get_size() > 1:
             with _watchdog.watchdog.watch("Problem: agreeing on a failed compute_totals"):
                 every = self.comm.allgather(mine)
-        return "later" in every and "raise" not in every
+        return Failure.LEFT_FOR_LATER in every and Failure.RAISE_NOW not in every
 
     # -- the agreement of a call ------------------------------------------------------
     def request(self, local: tuple, request: tuple, own: list[int],
                 refused: BaseException | None = None,
-                ahead: bool = False) -> tuple[tuple, bool]:
+                may_defer: bool = False) -> tuple[tuple, bool]:
         """Agree with every rank on a call's request and the shapes of its point.
 
         **Arguments:**
@@ -148,7 +157,7 @@ class Coordinator:
         - `refused`: the error of an argument this rank refused. This rank takes its
           place in the agreement with a mark instead of a request and raises it; the
           other ranks raise a `DistopError` naming it. No rank runs the call.
-        - `ahead`: the caller runs inside `agreed`, so the agreement may be left to
+        - `may_defer`: the caller runs inside `retry_if_missed`, so the agreement may be left to
           the program (see `CallAgreement`).
 
         **Returns:** (every rank's block sizes per distributed input, whether they are
@@ -171,7 +180,7 @@ class Coordinator:
                 stable_hash((self.serial, request, shapes)))
         every, self._gathered = self._gathered, None
         if every is None:
-            guess = self._guesses.get((local, request)) if ahead and refused is None \
+            guess = self._guesses.get((local, request)) if may_defer and refused is None \
                 else None
             if guess is not None:
                 self._pending = CallAgreement(self.comm, [fixed[1], guess[1], *own],
@@ -183,7 +192,7 @@ class Coordinator:
         if (every[:, 0] != every[0, 0]).any():
             self._differ(fixed, refused)
         counts = block_sizes(every, len(own))
-        if ahead:
+        if may_defer:
             self._guesses[local, request] = (counts, stable_hash(counts))
         if refused is not None:  # (every rank refused)
             raise refused
@@ -216,8 +225,8 @@ class Coordinator:
             "rank; only inputs named in Problem(distributed=...) may differ, and "
             "only in axis 0.")
 
-    def agreed(self, attempt: Callable[[], Any]) -> Any:
-        """`attempt()`, an entry point's work from its `request(..., ahead=True)` on,
+    def retry_if_missed(self, attempt: Callable[[], Any]) -> Any:
+        """`attempt()`, an entry point's work from its `request(..., may_defer=True)` on,
         with the agreement that request left pending made (by the program, or here
         after it): where the ranks turn out not to agree (different requests, or other
         block sizes than the layout's), the attempt is made again with what every rank
@@ -228,20 +237,20 @@ class Coordinator:
         except Missed:
             pass
         except BaseException:
-            if not self.settle():  # (raised before the agreement was made, say)
+            if not self.ranks_disagree():  # (raised before the agreement was made, say)
                 raise
         else:
-            if not self.settle():
+            if not self.ranks_disagree():
                 return result
         return attempt()
 
-    def settle(self) -> bool:
+    def ranks_disagree(self) -> bool:
         """Make the pending agreement, if there is one.
 
         **Returns:** whether the ranks disagree (then `request` reads what they sent).
         """
         pending, self._pending = self._pending, None
-        if pending is None or not pending.settle():
+        if pending is None or not pending.ranks_disagree():
             return False
         self._gathered = pending.every
         return True
@@ -249,13 +258,13 @@ class Coordinator:
     def before_building(self) -> None:
         """Make the pending agreement before a program is built (building one
         communicates). **Raises:** `Missed` where the ranks disagree."""
-        if self.settle():
+        if self.ranks_disagree():
             raise Missed
 
-    def offer(self, ahead: bool) -> None:
+    def offer(self, makes_agreement: bool) -> None:
         """Offer the pending agreement to the host calls of the program about to run.
 
-        A program that cannot make the agreement (`ahead` False) has it made first,
+        A program that cannot make the agreement (`makes_agreement` False) has it made first,
         here. `withdraw` ends the offer once the program has run; `offered` tells
         whether it is still open (then the program has not reached its first host
         call: with JAX's async dispatch it may still run on an XLA thread, and the
@@ -264,14 +273,14 @@ class Coordinator:
         **Raises:** `Missed` where the ranks disagree.
         """
         global _offered
-        if self._pending is not None and not ahead and self.settle():
+        if self._pending is not None and not makes_agreement and self.ranks_disagree():
             raise Missed
         _offered = self._pending  # (still pending only where the program makes it)
 
     def after_running(self) -> None:
         """Settle the agreement the program was offered, if it did not make it.
         **Raises:** `Missed` where the ranks disagree."""
-        if self.settle():
+        if self.ranks_disagree():
             raise Missed
 
 
@@ -296,12 +305,12 @@ class CallAgreement:
     steps depend only on what every rank sent, so every rank decides alike.
 
     Made before the program where the rank made no layout in advance, or where the
-    program cannot make it (see `Program.ahead`); else by the program's first host
+    program cannot make it (see `Program.makes_agreement`); else by the program's first host
     call, right before its method (see `offered`): one collective beside the method's
     own, where one before the program would make the ranks meet once more. Every rank
     makes it before any method of the call runs, the same collectives wherever it is
     made. Where the ranks disagree, no host call of the program runs a method (each
-    returns zeros), and `Coordinator.agreed` goes on as if the agreement had been made
+    returns zeros), and `Coordinator.retry_if_missed` goes on as if the agreement had been made
     first.
     """
 
@@ -337,7 +346,7 @@ class CallAgreement:
             self.comm.Allgather(self.mine, every)
         return every
 
-    def settle(self) -> bool:
+    def ranks_disagree(self) -> bool:
         """Make the agreement, once. **Returns:** whether the ranks disagree."""
         if self.missed is None:
             if not self.ranks_differ():

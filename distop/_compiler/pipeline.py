@@ -3,16 +3,16 @@
 **The order.** `PASSES` lists the passes in the order they analyse the program. A pass
 that is not shared is merged on this rank's proposal alone and applied at once: the
 next pass analyses the program it leaves. A shared pass is applied only after the ranks
-have exchanged their proposals, in the order of `PASSES`. An `ahead` pass is the
+have exchanged their proposals, in the order of `PASSES`. An `optimistic` pass is the
 exception: it is applied at once with this rank's own proposal, and the exchanges go on
 until that proposal is the decision (see `base.Pass`). So the rows are analysed before
 the calls to drop and applied after them: they count derivative calls, and a drop moves
-none. `SETTLE` lists the passes analysed on the rewritten program; their proposals
+none. `AFTER_REWRITE` lists the passes analysed on the rewritten program; their proposals
 travel in the rewrite's own exchange. The final stage follows: loops (loops.py),
 segments (segments.py), and the compiled function.
 
 **The exchanges.** Every cross-rank step goes through `exchange(what, thunk, share,
-steps)`, as `Coordinator.agree` makes it: it runs `thunk()` on every rank and raises on
+steps)`, as `Coordinator.collective_step` makes it: it runs `thunk()` on every rank and raises on
 every rank if it raised on any; then every rank's proposals of the shared `steps`,
 `share(result)` (None where a rank has none), are merged by `decided`: in two
 reductions whose size does not grow with the number of ranks (the sizes the proposals
@@ -23,11 +23,11 @@ proposals. `lean_program` makes these, on every rank alike:
    program is not one chain. The program takes the lean path on every rank or on none.
 2. "agreeing on the calls to drop", once per round, and no round where the first
    exchange agreed. Where the ranks proposed different calls to drop, each analyses the
-   `ahead` pass again with only the common ones allowed, and the shared passes after
+   `optimistic` pass again with only the common ones allowed, and the shared passes after
    it; they exchange those proposals again. The allowed calls shrink every round, so
    the rounds end.
 3. "rewriting the program": every rank applies the decisions, runs the final stage and
-   shares the proposals of `SETTLE`; their decisions are applied after it.
+   shares the proposals of `AFTER_REWRITE`; their decisions are applied after it.
 """
 
 import functools
@@ -47,7 +47,7 @@ from .stages import loops, nested, segments
 
 PASSES: tuple[Pass[Any, Any], ...] = (identity.DropIdentityProducts(), fold.FoldKnown(),
                                       rows.KnownRows(), unused.DropUnused(), fuse.Fuse())
-SETTLE: tuple[Pass[Any, Any], ...] = (fuse.AgreeRows(),)
+AFTER_REWRITE: tuple[Pass[Any, Any], ...] = (fuse.AgreeRows(),)
 
 Result = TypeVar("Result")
 Shared = TypeVar("Shared")
@@ -171,9 +171,9 @@ class LeanProgram(NamedTuple):
 class Proposed(NamedTuple):
     """This rank's side of an exchange of proposals.
 
-    Fields: `analysed` (the program the first shared `ahead` pass analysed, which it
+    Fields: `analysed` (the program the first shared `optimistic` pass analysed, which it
     analyses again in later rounds), `program` (the program with the passes applied
-    so far: those that are not shared, and `ahead` passes with this rank's proposal),
+    so far: those that are not shared, and `optimistic` passes with this rank's proposal),
     `proposals` (of the shared passes, in order).
     """
 
@@ -209,7 +209,7 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
     # A program with calls inside its own loops or branches (see nested.py) is compiled
     # as traced: the passes read the chain's calls at the top level only.
     inside = found is not None and nested.nested(found[2].jaxpr)
-    passes, settle = ((), ()) if inside else (PASSES, SETTLE)
+    passes, after = ((), ()) if inside else (PASSES, AFTER_REWRITE)
     # (the shared passes of every rank's `PASSES`: proposals of as many of them on
     # every rank, or no lean path, so that the ranks agree on `inside`)
     given, agreed = exchange(
@@ -225,31 +225,31 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
     mine = given
     shared = [step for step in passes if step.shared]
     decisions = list(agreed)
-    ahead = next((j for j, step in enumerate(shared) if step.ahead), None)
-    while ahead is not None and not shared[ahead].agreed(decisions[ahead]):
-        context = shared[ahead].again(context, decisions[ahead])
-        rest = passes[passes.index(shared[ahead]):]
-        assert mine.analysed is not None  # set by the `ahead` pass, which `propose` ran
+    optimistic = next((j for j, step in enumerate(shared) if step.optimistic), None)
+    while optimistic is not None and not shared[optimistic].unanimous(decisions[optimistic]):
+        context = shared[optimistic].again(context, decisions[optimistic])
+        rest = passes[passes.index(shared[optimistic]):]
+        assert mine.analysed is not None  # set by the `optimistic` pass, which `propose` ran
         mine, again = exchange(f"{name}: agreeing on the calls to drop",
                                functools.partial(propose, mine.analysed, context, rest),
-                               lambda proposed: proposed.proposals, shared[ahead:])
+                               lambda proposed: proposed.proposals, shared[optimistic:])
         assert again is not None  # (every rank proposed, as many as before)
-        decisions[ahead:] = again
+        decisions[optimistic:] = again
 
     def rewrite() -> LeanProgram:
         program = mine.program
         for step, decision in zip(shared, decisions):
-            if not step.ahead:
+            if not step.optimistic:
                 program = step.apply(program, decision)
         if not _ffi.chained(program):
             raise DistopError("the rewritten program is not one chain")
         return compiled(LeanProgram(*found), program, inputs, specs)
 
-    lean, settled = exchange(f"{name}: rewriting the program", rewrite,
+    lean, decided_after = exchange(f"{name}: rewriting the program", rewrite,
                              lambda made: tuple(step.analyse(made.closed, context)
-                                                for step in settle), settle)
-    assert settled is not None  # (every rank made the program and analysed it)
-    for step, decision in zip(settle, settled):
+                                                for step in after), after)
+    assert decided_after is not None  # (every rank made the program and analysed it)
+    for step, decision in zip(after, decided_after):
         step.apply(lean.closed, decision)
     return lean
 
@@ -266,9 +266,9 @@ def propose(program: ClosedJaxpr, context: Context,
         proposal = step.analyse(program, context)
         if step.shared:
             proposals.append(proposal)
-        if step.ahead and analysed is None:
+        if step.optimistic and analysed is None:
             analysed = program
-        if not step.shared or step.ahead:
+        if not step.shared or step.optimistic:
             program = step.apply(program, step.merge([proposal]))
     return Proposed(analysed, program, tuple(proposals))
 

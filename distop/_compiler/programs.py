@@ -61,11 +61,11 @@ class Program:
     # lean host calls per run, each adding one to the token; None where the values
     # decide (a while loop, branches making different numbers of calls)
     calls: int | None = 0
-    ahead: bool = False  # whether its first host call may make the ranks' agreement
+    makes_agreement: bool = False  # whether its first host call may make the ranks' agreement
     entry: str = ""  # its entry point: `run`, `compute_totals` ... (for profiles)
     # the return formats in which its totals were found the same on every rank (see
-    # `_assembly.agree`): the check runs on a program's first call per format only
-    totals_agreed: set[str] = dataclasses.field(default_factory=set)
+    # `_assembly.check_replicated_totals`): the check runs on a program's first call per format only
+    totals_checked: set[str] = dataclasses.field(default_factory=set)
     _extra: tuple[Any, ...] | None = None
     _plan: tuple[Any, ...] | None = None
 
@@ -114,7 +114,7 @@ class Programs:
         self._warned_loop = False
 
     def layout(self, point: dict[str, Any], request: tuple[Any, ...],
-               refused: BaseException | None = None, ahead: bool = False,
+               refused: BaseException | None = None, may_defer: bool = False,
                current: dict[str, Any] | None = None) -> Layout:
         """Agree with every rank on the request (the entry point and its arguments) and
         the shapes of `point` (one small collective per call), and return its `Layout`
@@ -125,7 +125,7 @@ class Programs:
         - `request`: the entry point and its arguments.
         - `refused`: the error of an argument this rank refused (see
           `Coordinator.request`); then `point` is the current one.
-        - `ahead`: the caller runs inside `Coordinator.agreed`, so the agreement may be
+        - `may_defer`: the caller runs inside `Coordinator.retry_if_missed`, so the agreement may be
           left to the program: for a request and shapes seen before, the layout of the
           other ranks' block sizes of last time is returned at once.
         - `current`: the current point, taken instead of `point` where this rank
@@ -140,7 +140,7 @@ class Programs:
         local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
         dist_inputs = [k for k in point if k in self.distributed]
         counts, guessed = self.coordinator.request(
-            local, request, [point[k].shape[0] for k in dist_inputs], refused, ahead)
+            local, request, [point[k].shape[0] for k in dist_inputs], refused, may_defer)
         key = (local, counts)
         # (a guessed layout was made before: nothing may communicate before its
         # pending agreement is made, so it is never built here)
@@ -164,14 +164,14 @@ class Programs:
                   share: Callable[[Any], tuple[Any, ...] | None],
                   steps: Sequence[Any]) -> tuple[Any, list[Any] | None]:
         """The passes' cross-rank step (see pipeline.py): `thunk()` and this rank's
-        proposals `share(thunk())` made alike on every rank (`Coordinator.agree`: raised
+        proposals `share(thunk())` made alike on every rank (`Coordinator.collective_step`: raised
         on every rank where one raised), then every rank's proposals decided by
         reductions of a fixed size (`pipeline.decided`)."""
         def made() -> tuple[Any, tuple[Any, ...] | None]:
             result = thunk()
             return result, share(result)
 
-        result, mine = self.coordinator.agree(what, made)
+        result, mine = self.coordinator.collective_step(what, made)
         return result, pipeline.decided(steps, mine, self.coordinator.most)
 
     def _new_layout(self, point: dict[str, Any], counts: dict[str, tuple[int, ...]]) -> Layout:
@@ -279,7 +279,7 @@ class Programs:
             fn, outputs, jaxpr, traced = self.trace(name, options, layout, specs,
                                                      False)
         with _watchdog.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
-            schedule = _schedule.agree(self.comm, name,
+            schedule = _schedule.check_schedules(self.comm, name,
                                        _schedule.extract(jaxpr, traced))
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
@@ -290,10 +290,11 @@ class Programs:
         # which XLA may run before it) and it ends whatever its calls return (no loop
         # or branch of the model's own, whose condition could read the zeros of calls
         # that did not run).
-        ahead = bool(calls) and checker is None and not jaxpr.jaxpr.effects and not \
-            _ffi.anywhere(jaxpr.jaxpr.eqns, not_ahead) and not nested.nested(jaxpr.jaxpr)
+        makes_agreement = bool(calls) and checker is None and not jaxpr.jaxpr.effects \
+            and not _ffi.anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
+            and not nested.nested(jaxpr.jaxpr)
         found = self.programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              nested.count(jaxpr.jaxpr), ahead,
+                                              nested.count(jaxpr.jaxpr), makes_agreement,
                                               _entry_name(name, options))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
@@ -362,7 +363,7 @@ class Programs:
             # mode), which read the token but do not move it on: the token threaded
             return nested.threaded(closed), False
 
-        closed, own = self.coordinator.agree(f"{name}: tracing the program", traced)
+        closed, own = self.coordinator.collective_step(f"{name}: tracing the program", traced)
         if not own:
             fn = pipeline.function(jaxpr_as_fun(closed))
         return fn, outputs, closed
@@ -383,13 +384,13 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-NOT_AHEAD = ("while", "pure_callback", "ffi_call")  # (see `Program.ahead`)
+BLOCKS_AGREEMENT = ("while", "pure_callback", "ffi_call")  # (see `Program.makes_agreement`)
 
 
-def not_ahead(eqn: JaxprEqn) -> bool:
+def blocks_agreement(eqn: JaxprEqn) -> bool:
     """Whether `eqn` keeps its program from making the agreement in its first host call
     (see `Programs._new_program`)."""
-    return eqn.primitive.name in NOT_AHEAD or (
+    return eqn.primitive.name in BLOCKS_AGREEMENT or (
         eqn.primitive.name == "distop_host_call" and not eqn.params["call"].lean)
 
 

@@ -233,7 +233,7 @@ def _replaced(entry: ScheduleEntry, **changes: Any) -> ScheduleEntry:
     return new
 
 
-def agree(comm: Any, name: str,
+def check_schedules(comm: Any, name: str,
           entries: tuple[ScheduleEntry, ...]) -> tuple[ScheduleEntry, ...]:
     """Check that every rank compiled the same schedule, up to distributed axes.
 

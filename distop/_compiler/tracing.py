@@ -89,8 +89,8 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
             return values
 
         if direction == "fwd":  # one sweep per entry of `wrt`: of name -> tangents
-            values, ahead = linearized(restricted, diff)
-            cts = sweeps(lambda t: {k: ahead(t)[k] for k in of_names},
+            values, linear = linearized(restricted, diff)
+            cts = sweeps(lambda t: {k: linear(t)[k] for k in of_names},
                          dict(zip(diff_names, packed)))
         else:  # one sweep per entry of `of`: wrt name -> cotangents
             values, back = pullback(restricted, diff)
@@ -113,8 +113,8 @@ def linearized(fn: Callable[[Any], Any], diff: dict[str, Any],
     session = _ffi.session()
     if session is None:
         return jax.linearize(fn, diff)
-    (values, session.token), ahead = jax.linearize(lambda d: (fn(d), session.token), diff)
-    return values, lambda tangent: ahead(tangent)[0]
+    (values, session.token), linear = jax.linearize(lambda d: (fn(d), session.token), diff)
+    return values, lambda tangent: linear(tangent)[0]
 
 
 def pullback(fn: Callable[[Any], Any], diff: dict[str, Any],

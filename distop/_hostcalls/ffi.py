@@ -155,7 +155,7 @@ def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
         rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
         pending = offered()
         if pending is not None:
-            if pending.settle():
+            if pending.ranks_disagree():
                 # The ranks do not agree on this program: no method runs, on any rank
                 # (each one's first call finds it out), and the results are zeros.
                 for out in rets[1:]:

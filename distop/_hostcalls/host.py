@@ -253,7 +253,7 @@ class HostCall(HostCallable):
                         results = self._call_rows(args, comm)
                 if self.checker is not None:
                     self._check_declared(comm.issued)
-                    self.checker.agree(("finished", self.where))
+                    self.checker.check_same(("finished", self.where))
                 if profile is not None:
                     profile.ended(self)
                 return results
@@ -495,7 +495,7 @@ def _fail(call: HostCall, err: BaseException) -> NoReturn:
         sys.stderr.write(f"distop: {err}\n{traceback.format_exc()}")
         sys.stderr.flush()
         try:
-            call.checker.agree(("failed", call.where))
+            call.checker.check_same(("failed", call.where))
         except CollectiveMismatchError as mismatch:
             err = CollectiveMismatchError(f"{err}\n{mismatch}")
     elif size > 1 and not isinstance(err, CollectiveMismatchError):

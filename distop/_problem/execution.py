@@ -61,7 +61,7 @@ class Executor:
         profile = _profile.active
         if profile is not None:
             profile.program_started(program.entry)
-        coordinator.offer(program.ahead)
+        coordinator.offer(program.makes_agreement)
         try:
             *packed, token = program.fn(self.token, self.on_device(point), *program.extra)
             if offered() is not None:
@@ -85,7 +85,7 @@ class Executor:
             # A rank whose program skipped a collective (rank-dependent control flow)
             # meets the others' next collective here, and every rank raises.
             with _watchdog.watchdog.watch("Problem: end of program"):
-                program.checker.agree(("end of program",))
+                program.checker.check_same(("end of program",))
         return values
 
     def _count(self, program: Program, count: float) -> None:

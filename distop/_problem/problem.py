@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from .._agreement import comm as _comm
-from .._agreement.coordinator import Coordinator, stable_hash
+from .._agreement.coordinator import Coordinator, Failure, stable_hash
 from .._compiler.layout import Layout
 from .._compiler.programs import Program, Programs
 from .._compiler.schedule import ScheduleEntry
@@ -126,7 +126,7 @@ class Problem:
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)
-        self._backend, self._copy, self._point, size = self._coordinator.agree(
+        self._backend, self._copy, self._point, size = self._coordinator.collective_step(
             "Problem: checking its arguments",
             lambda: (*check_arguments(model, inputs, backend or os.environ.get(
                 "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()))
@@ -165,7 +165,7 @@ class Problem:
                                                     differentiable["inputs"]),
                     layout).schedule
             except Exception as err:  # left for later or raised, on every rank
-                if not self._coordinator.go_on_without(_later(err)):
+                if not self._coordinator.go_on_without(_failure(err)):
                     raise
         if schedule is None:  # (or nothing to differentiate)
             schedule = self._programs.program("run", (), layout).schedule
@@ -246,8 +246,8 @@ class Problem:
         `check_replicated` finds replicated values that differ.
         """
         point, refused = moved("run", inputs, self._point, self.copy)
-        outs = self._coordinator.agreed(lambda: self._executor(self._programs.program(
-            "run", (), self._programs.layout(point, ("run",), refused, ahead=True,
+        outs = self._coordinator.retry_if_missed(lambda: self._executor(self._programs.program(
+            "run", (), self._programs.layout(point, ("run",), refused, may_defer=True,
                                              current=self._point)), point))
         if self.check_replicated:
             _totals.check_replicated(self.comm, self.distributed, {**point, **outs}, "run")
@@ -297,8 +297,8 @@ class Problem:
 
     def _compute_totals(self, of: Names, wrt: Names, *, mode: str = "batched",
                         return_format: str = "global", direction: str = "rev",
-                        agree: bool = True) -> dict[tuple[str, str], np.ndarray]:
-        """`compute_totals`; `agree=False` leaves out the check that the blocks of
+                        check_ranks: bool = True) -> dict[tuple[str, str], np.ndarray]:
+        """`compute_totals`; `check_ranks=False` leaves out the check that the blocks of
         replicated inputs are the same on every rank (`check_totals` reports ranks that
         differ in its own way)."""
         def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
@@ -311,13 +311,14 @@ class Problem:
                 "compute_totals", TotalsOptions(mode, names, ins, False, way), layout)
             return layout, names, ins, way, program, self._executor(program, self._point)
 
-        layout, names, ins, way, program, cts = self._coordinator.agreed(attempt)
+        layout, names, ins, way, program, cts = self._coordinator.retry_if_missed(attempt)
         if program is None or cts is None:
             return {}
+        check = check_ranks and _assembly.unchecked(program, return_format)
         totals = _assembly.assembled(self.comm, layout, cts, names, ins, return_format,
-                                     way, agree and _assembly.unchecked(program, return_format))
-        if agree:
-            program.totals_agreed.add(return_format)
+                                     way, check)
+        if check_ranks:
+            program.totals_checked.add(return_format)
         return totals
 
     @_one_at_a_time
@@ -357,14 +358,14 @@ class Problem:
                     "compute_totals", TotalsOptions(mode, names, ins, True, way), layout)
             return layout, names, ins, way, program, self._executor(program, point)
 
-        layout, names, ins, way, program, out = self._coordinator.agreed(attempt)
+        layout, names, ins, way, program, out = self._coordinator.retry_if_missed(attempt)
         if names and ins:
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
             swept = names if way == "fwd" else ins
             totals = _assembly.assembled(self.comm, layout, {k: out["total", k] for k in swept},
                                          names, ins, return_format, way,
                                          _assembly.unchecked(program, return_format))
-            program.totals_agreed.add(return_format)
+            program.totals_checked.add(return_format)
         else:
             values, totals = out, {}
         if self.check_replicated:
@@ -427,9 +428,9 @@ class Problem:
                                              make_extra=lambda: (deltas,))
             return self._executor(program, point)
 
-        evaluations = _totals.Evaluations(self.comm, self.distributed, layout, point, self.run,
-                                          functools.partial(self._compute_totals, agree=False),
-                                          perturbed)
+        evaluations = _totals.Evaluations(
+            self.comm, self.distributed, layout, point, self.run,
+            functools.partial(self._compute_totals, check_ranks=False), perturbed)
         return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
                                     atol=atol, rtol=rtol, out_stream=out_stream,
                                     raise_on_error=raise_on_error,
@@ -447,7 +448,7 @@ class Problem:
         key = _totals.request_key
         request = (method, key(of, names=True), key(wrt, names=True), key(mode),
                    key(return_format), key(direction))
-        layout = self._programs.layout(point, request, refused, ahead=True,
+        layout = self._programs.layout(point, request, refused, may_defer=True,
                                        current=self._point)
         of = check_names(method, "of", of, self.output_names,
                          layout.differentiable["outputs"])
@@ -468,17 +469,17 @@ class Problem:
         return layout, of, wrt, direction
 
 
-def _later(err: BaseException) -> str:
+def _failure(err: BaseException) -> Failure:
     """This rank's view of a `compute_totals` program that failed as a Problem was made:
-    `"later"` where the model can still run (an operator has no vjp, the model itself
-    differentiates an operator, or JAX cannot differentiate it: a while_loop, say) and
-    `compute_totals` raises the error when called; `"others"` where it failed because
-    another rank did; else `"raise"`. The ranks decide together
+    `LEFT_FOR_LATER` where the model can still run (an operator has no vjp, the model
+    itself differentiates an operator, or JAX cannot differentiate it: a while_loop, say)
+    and `compute_totals` raises the error when called; `ON_OTHER_RANKS` where it failed
+    because another rank did; else `RAISE_NOW`. The ranks decide together
     (`Coordinator.go_on_without`)."""
     if isinstance(err, (MissingMethodError, SecondDerivativeError,
                         OrderedEffectError)) or type(err) in (
             ValueError, TypeError, NotImplementedError):
-        return "later"
+        return Failure.LEFT_FOR_LATER
     if getattr(err, "elsewhere", False):
-        return "others"
-    return "raise"
+        return Failure.ON_OTHER_RANKS
+    return Failure.RAISE_NOW

@@ -21,7 +21,7 @@ class Checker:
         self.comm = comm
         self.sequence = 0
 
-    def agree(self, what):
+    def check_same(self, what):
         """Exchange `what` (a tuple describing the next step) with every rank.
 
         **Raises:** `CollectiveMismatchError` on every rank if any rank differs.
@@ -89,7 +89,7 @@ class CheckedComm:
 
         def collective(*args, **kwargs):
             count, dtype = _describe_buffer(args)
-            self._checker.agree(("collective", self._where, name, count, dtype))
+            self._checker.check_same(("collective", self._where, name, count, dtype))
             self.issued.append(name)
             return attr(*args, **kwargs)
 

@@ -26,7 +26,7 @@ def assembled(comm: Any, layout: Layout, swept: dict[str, Any], of: tuple[str, .
     else:
         totals = assemble(comm, layout, swept, of, wrt, return_format)
     if check:
-        agree(comm, layout, totals, return_format)
+        check_replicated_totals(comm, layout, totals, return_format)
     return totals
 
 
@@ -118,13 +118,13 @@ def gather_rows(comm: Any, block: np.ndarray, counts: list[int]) -> np.ndarray:
 
 def unchecked(program: Any, return_format: str) -> bool:
     """**Returns:** whether the totals of `program` in `return_format` are to be
-    checked by `agree`: on its first call in that format, and on every call in the
+    checked by `check_replicated_totals`: on its first call in that format, and on every call in the
     checking mode. What decides it is alike on every rank (programs are built and
     called in the same order everywhere)."""
-    return return_format not in program.totals_agreed or settings.check_collectives
+    return return_format not in program.totals_checked or settings.check_collectives
 
 
-def agree(comm: Any, layout: Layout, totals: Blocks, return_format: str) -> None:
+def check_replicated_totals(comm: Any, layout: Layout, totals: Blocks, return_format: str) -> None:
     """Check that the blocks of every replicated input are the same on every rank (in
     the `"local"` format, those of replicated outputs: the rows of a distributed one are
     each rank's own).

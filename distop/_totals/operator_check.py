@@ -79,7 +79,7 @@ def check_operator(op: DistributedOperator, *inputs: Any,
     outs = _tuple(op(*arrays))
     rep_in, rep_out = _positions(name, "inputs", replicated_inputs, len(arrays)), _positions(
         name, "outputs", replicated_outputs, len(outs))
-    _agree(comm, name, arrays, outs, rep_in, rep_out)
+    _check_same_call(comm, name, arrays, outs, rep_in, rep_out)
     diff = [i for i, a in enumerate(arrays) if inexact_dtype(a.dtype)]
     real_out = [k for k, y in enumerate(outs) if inexact_dtype(y.dtype)]
 
@@ -163,8 +163,8 @@ def _positions(name: str, what: str, given: Iterable[int], count: int) -> set[in
     return found
 
 
-def _agree(comm: Any, name: str, arrays: Sequence[Any], outs: Sequence[Any],
-           rep_in: set[int], rep_out: set[int]) -> None:
+def _check_same_call(comm: Any, name: str, arrays: Sequence[Any], outs: Sequence[Any],
+                     rep_in: set[int], rep_out: set[int]) -> None:
     """Raise on every rank where the ranks check different calls."""
     mine = (name, [str(a.dtype) for a in arrays], [str(y.dtype) for y in outs],
             sorted(rep_in), sorted(rep_out))

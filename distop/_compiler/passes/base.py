@@ -52,15 +52,15 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
     - `shared`: whether the proposals cross ranks. The driver (pipeline.py) sends them
       in its exchanges; a pass that is not shared is merged on this rank's proposal
       alone and applied at once.
-    - `ahead`: whether a shared pass is applied with this rank's own proposal before
+    - `optimistic`: whether a shared pass is applied with this rank's own proposal before
       the exchange, for the passes after it to analyse the program it leaves. Its
-      merge then tells whether every rank proposed the same (`agreed`); where not,
+      merge then tells whether every rank proposed the same (`unanimous`); where not,
       the driver analyses it again in the context `again` gives, and exchanges again,
       until they do.
     """
 
     shared: ClassVar[bool] = False
-    ahead: ClassVar[bool] = False
+    optimistic: ClassVar[bool] = False
     dimensions: ClassVar[int] = 0  # how many numbers `sizes` gives (a shared pass)
 
     @abc.abstractmethod
@@ -75,8 +75,8 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
     def apply(self, program: ClosedJaxpr, decision: Decision) -> ClosedJaxpr:
         """**Returns:** `program` rewritten as `decision` says, or `program` itself."""
 
-    def agreed(self, decision: Decision) -> bool:
-        """Whether every rank proposed what `decision` decides (an `ahead` pass)."""
+    def unanimous(self, decision: Decision) -> bool:
+        """Whether every rank proposed what `decision` decides (an `optimistic` pass)."""
         return True
 
     def sizes(self, proposal: Proposal) -> tuple[int, ...]:
@@ -95,9 +95,9 @@ class Pass(abc.ABC, Generic[Proposal, Decision]):
         raise NotImplementedError(f"{type(self).__name__} is not a shared pass.")
 
     def again(self, context: Context, decision: Decision) -> Context:
-        """**Returns:** the context to analyse an `ahead` pass again in, where the ranks
+        """**Returns:** the context to analyse an `optimistic` pass again in, where the ranks
         did not agree on `decision`."""
-        raise NotImplementedError(f"{type(self).__name__} is not an `ahead` pass.")
+        raise NotImplementedError(f"{type(self).__name__} is not an `optimistic` pass.")
 
 
 # Below every number an encoding holds: the largest over ranks where none holds one.

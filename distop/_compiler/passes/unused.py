@@ -23,11 +23,11 @@ class Drops(NamedTuple):
     """The decision of `DropUnused`.
 
     Fields: `positions` (the chain positions of the calls that no rank reads, sorted),
-    `agreed` (whether every rank proposed exactly those).
+    `unanimous` (whether every rank proposed exactly those).
     """
 
     positions: tuple[int, ...]
-    agreed: bool
+    unanimous: bool
 
 
 class DropUnused(Pass[tuple[int, ...], Drops]):
@@ -37,12 +37,12 @@ class DropUnused(Pass[tuple[int, ...], Drops]):
     `context.allowed`). What a call's results feed can depend on the rank's block sizes
     (JAX's derivative of `prod` over one row reads nothing), so a call is dropped only
     where no rank reads it; a call kept for another rank may read a result this rank
-    could drop. So the pass runs `ahead`: where the ranks' proposals differ, the driver
+    could drop. So the pass runs `optimistic`: where the ranks' proposals differ, the driver
     analyses it again with only the calls every rank proposed allowed, until they agree.
     """
 
     shared = True
-    ahead = True
+    optimistic = True
 
     def analyse(self, program: ClosedJaxpr, context: Context) -> tuple[int, ...]:
         """**Returns:** `unused_calls` of `program`, among `context.allowed`."""
@@ -77,9 +77,9 @@ class DropUnused(Pass[tuple[int, ...], Drops]):
         """**Returns:** `program` without the decided calls (`drop_calls`)."""
         return drop_calls(program, decision.positions)
 
-    def agreed(self, decision: Drops) -> bool:
+    def unanimous(self, decision: Drops) -> bool:
         """Whether every rank proposed the calls `decision` drops."""
-        return decision.agreed
+        return decision.unanimous
 
     def again(self, context: Context, decision: Drops) -> Context:
         """**Returns:** `context` with only the calls every rank proposed allowed."""

@@ -15,7 +15,7 @@ ALLOWED_PRIVATE_READS = frozenset()
 # entries nest, the longest wins (`_compiler.passes` before `_compiler`). The package
 # itself holds only its `__init__`.
 LAYERS = (
-    ("_errors", "_config"),
+    ("_errors", "_config", "_dtypes"),
     ("_compat",),
     ("_mpi",),
     ("_safety",),

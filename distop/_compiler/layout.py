@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._hostcalls.host import inexact_dtype
+from .._dtypes import inexact_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._agreement.comm import checker
 from .._config import settings
 from .._diagnostics import profile as _profile
+from .._dtypes import inexact_spec
 from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError
 from .._mpi.runtime import abort
 from .._safety import checking as _checking
@@ -34,25 +34,6 @@ Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for ev
 # it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
 _last_error: BaseException | None = None
 _error_lock = threading.Lock()
-
-
-def inexact_spec(spec: Any) -> bool:
-    """Whether values of an array spec are differentiable (see `inexact_dtype`).
-
-    **Arguments:**
-    - `spec`: anything with a `dtype` (a `jax.ShapeDtypeStruct`, an array).
-
-    **Returns:** True for floating-point and complex dtypes.
-    """
-    return inexact_dtype(spec.dtype)
-
-
-@functools.cache
-def inexact_dtype(dtype: Any) -> bool:
-    """Whether values of `dtype` are differentiable, as JAX decides: floating point and
-    complex, including bfloat16 and the other ml_dtypes (which numpy's own
-    `issubdtype(..., np.inexact)` does not count)."""
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _linear_specs(phase: str, in_specs: Sequence[jax.ShapeDtypeStruct],

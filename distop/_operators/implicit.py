@@ -22,8 +22,8 @@ import numpy as np
 from jax import lax
 
 from .._agreement.comm import private
+from .._dtypes import inexact_dtype
 from .._errors import MissingMethodError, OperatorError
-from .._hostcalls.host import inexact_dtype
 from .operator import DistributedOperator, apply, as_arrays, explicit_order
 
 _METHODS = {

@@ -33,9 +33,10 @@ from .._compat import (
     no_effects,
     primitive_linearizations,
 )
+from .._dtypes import inexact_spec
 from .._errors import DistopError, MissingMethodError, SecondDerivativeError
 from .._hostcalls import ffi as _ffi
-from .._hostcalls.host import HostCall, inexact_spec
+from .._hostcalls.host import HostCall
 from .._safety.guard import check_declarations
 from .refusals import install as install_refusals
 from .second_derivative import refused

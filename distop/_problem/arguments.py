@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .._hostcalls.host import inexact_dtype as inexact
+from .._dtypes import inexact_dtype as inexact
 from .inputs import as_input
 
 CACHE_SIZE = 16  # the input shapes a Problem keeps programs for, by default

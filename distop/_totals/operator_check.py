@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._agreement import comm as _comm
+from .._dtypes import inexact_dtype
 from .._errors import DerivativeCheckError, DistopError, MissingMethodError
-from .._hostcalls.host import inexact_dtype
 from .._operators.operator import DistributedOperator, as_arrays
 from .differences import estimate, judge, multiples
 from .totals import STDOUT

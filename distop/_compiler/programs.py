@@ -305,7 +305,7 @@ class Programs:
         """Trace an entry point's program, on the lean path if the backend says so and
         the program allows it on every rank (its lean calls form one token chain), else
         with ordered `io_callback`s. The lean program is rewritten alike on every rank
-        (see `_passes.pipeline`).
+        (see `_compiler.pipeline`).
 
         **Returns:** (function, outputs, the program before segments: its schedule, the
         lean calls as traced in chain order or None: see `_schedule.extract`)."""

@@ -102,7 +102,7 @@ def extract(closed_jaxpr: ClosedJaxpr,
 
     **Arguments:**
     - `closed_jaxpr`: the program, as from `jax.make_jaxpr` or `jit(...).trace(...).jaxpr`.
-    - `traced`: for a lean program rewritten after tracing (see _passes/), its lean
+    - `traced`: for a lean program rewritten after tracing (see _compiler/passes/), its lean
       calls as traced, in chain order: those the rewrite left out are listed too, with
       `made=False`. None: only the calls in `closed_jaxpr`.
 

@@ -8,13 +8,13 @@ import numpy as np
 
 
 class HostCallable(abc.ABC):
-    """A host call of a compiled program: what the FFI handler (see _ffi.py) and the
+    """A host call of a compiled program: what the FFI handler (see ffi.py) and the
     `io_callback` lowering call. An abstract base: a subclass implements `shapes`,
     `__call__` and `__repr__` (Python raises a `TypeError` naming any it lacks when
     one is made).
 
     Attributes every subclass sets:
-    - `lean`: whether the call takes the lean path (the token chain of _ffi.py).
+    - `lean`: whether the call takes the lean path (the token chain of ffi.py).
     - `ordered`: whether the call is ordered (and so may communicate).
     - `phase`: `"forward"`, `"jvp"` or `"vjp"` for one method; what it groups else.
     - `ffi_id`: the id of its lean call site once lowered (see `_ffi.register`), else None.

@@ -326,7 +326,7 @@ class Session:
     def at_top(self) -> bool:
         """Whether a call bound now belongs to the program itself, where it takes the
         session's token: not to the body of the model's own loop, branch, checkpoint or
-        inner jit, whose token is threaded after tracing (see `_passes/nested.py`).
+        inner jit, whose token is threaded after tracing (see `_compiler/stages/nested.py`).
 
         Transformations (vmap, jvp, linearize) keep a call at the top: their traces
         lead, parent after parent, to the program's own trace. A body has a trace of
@@ -403,7 +403,7 @@ CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, b
 
 def link(eqn: JaxprEqn) -> tuple[int, int] | None:
     """Where a loop, branch or checkpoint takes and gives the token once it is threaded
-    through (see `_passes/nested.py`): the token is its first carried value (a scan, a
+    through (see `_compiler/stages/nested.py`): the token is its first carried value (a scan, a
     while loop), its first operand after the index (a branch) or its first argument (a
     checkpoint), and its first result.
 

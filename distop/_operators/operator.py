@@ -363,7 +363,7 @@ def _bind(call: HostCall, args: Sequence[Any]) -> list[Any]:
         return host_call_p.bind(*args, call=call.unleaned())
     if not session.at_top():
         # In the body of the model's own loop, branch or checkpoint: a placeholder
-        # token, which the program's rewrite replaces (see _passes/nested.py).
+        # token, which the program's rewrite replaces (see _compiler/stages/nested.py).
         return host_call_p.bind(np.zeros((), _ffi.token_dtype()), *args, call=call)[1:]
     token, *outs = host_call_p.bind(session.token, *args, call=call)
     session.token = token
@@ -376,7 +376,7 @@ def _bind(call: HostCall, args: Sequence[Any]) -> list[Any]:
 # `jvp` call (linear in the tangents), whose transpose is a `vjp` call (and back); vmap
 # adds a batch level to the same single call. Ordered calls carry JAX's ordered-IO
 # effect, so they keep their place in program order and are never dropped. Lean calls
-# (the lean path, see _ffi.py) carry no effect: their first operand and first result
+# (the lean path, see _hostcalls/ffi.py) carry no effect: their first operand and first result
 # are the token that orders them.
 host_call_p = Primitive("distop_host_call")
 host_call_p.multiple_results = True
@@ -438,7 +438,7 @@ def _jvp_of_derivative(primals: Sequence[Any], tangents: Sequence[Any],
     """The JVP of a `jvp` or `vjp` call: linear in its (co)tangents, which gives another
     call of its phase (not on the lean path); the part from its inputs' tangents is a
     derivative of a derivative, which raises where it is evaluated (see
-    _second_derivative.py), so one traced and discarded is no error."""
+    second_derivative.py), so one traced and discarded is no error."""
     outs = host_call_p.bind(*primals, call=call)
     avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
     nonzero = [t for t in tangents if type(t) is not ad.Zero]

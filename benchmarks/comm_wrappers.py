@@ -16,8 +16,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from distop import _comm
-from distop._guard import GuardedComm
+from distop._agreement import comm as _comm
+from distop._safety.guard import GuardedComm
 
 
 def per_call(fn, repeat):

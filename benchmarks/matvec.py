@@ -90,7 +90,7 @@ def ffi_floor_programs(a_local, w, size):
     of distop's own (no checks, no Problem): the floor of the lean path.
 
     **Returns:** `(run, totals)`, each a function of x."""
-    from distop import _ffi
+    from distop._hostcalls import ffi as _ffi
 
     def forward(x, y):
         comm.Allreduce(a_local @ x, y, op=MPI.SUM)

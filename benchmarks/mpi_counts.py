@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import distop
-from distop._mpi_names import COMMUNICATING, MAKERS
+from distop._mpi.names import COMMUNICATING, MAKERS
 
 _ROOTED = {"Bcast", "Reduce", "Gather", "Gatherv"}  # (only the root, or the others, receive)
 

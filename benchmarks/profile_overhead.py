@@ -49,8 +49,8 @@ def worker(calls):
     problems = {"1 call": distop.Problem(lambda x: {"y": ops[0](x)}, {"x": x}),
                 "16 calls": distop.Problem(lambda x: {"y": jnp.stack([op(x) for op in ops])},
                                            {"x": x})}
-    from distop import _comm
-    from distop._calls.host import HostCall
+    from distop._agreement import comm as _comm
+    from distop._hostcalls.host import HostCall
 
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
     call = HostCall(ops[0], "forward", _comm.private(None), True, (spec,), (spec,))

@@ -508,8 +508,8 @@ def large_section(bench):
 def overhead_section(bench):
     """distop's own work per call, piece by piece, on an operator of 8 doubles that
     does no communication (ordered=True: the lean path on any number of ranks)."""
-    from distop import _comm
-    from distop._calls.host import HostCall
+    from distop._agreement import comm as _comm
+    from distop._hostcalls.host import HostCall
 
     class Twice(bench.distop.DistributedOperator):
         forward_collectives = ("Allreduce",)  # declared (not issued): ordered calls

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from distop import _comm
-from distop._watchdog import WatchedComm, watchdog
+from distop._agreement import comm as _comm
+from distop._safety.watchdog import WatchedComm, watchdog
 
 
 def per_call(fn: Callable[[], object], repeat: int) -> float:

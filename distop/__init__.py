@@ -2,15 +2,28 @@
 
 import importlib.metadata
 
-from . import _compat, _runtime
-from ._collectives import Allgather as Allgather
-from ._collectives import AllreduceSum as AllreduceSum
-from ._collectives import Alltoall as Alltoall
-from ._collectives import Broadcast as Broadcast
-from ._collectives import RankLocal as RankLocal
-from ._collectives import Split as Split
+from . import _compat
+from . import linalg as linalg
+from ._collectives.basic import Allgather as Allgather
+from ._collectives.basic import AllreduceSum as AllreduceSum
+from ._collectives.basic import Alltoall as Alltoall
+from ._collectives.basic import Broadcast as Broadcast
+from ._collectives.basic import RankLocal as RankLocal
+from ._collectives.basic import Split as Split
+from ._collectives.halo import HaloExchange as HaloExchange
+from ._collectives.reductions import Allreduce as Allreduce
+from ._collectives.reductions import Exscan as Exscan
+from ._collectives.reductions import Scan as Scan
+from ._collectives.rooted import Gather as Gather
+from ._collectives.rooted import Reduce as Reduce
+from ._collectives.rooted import Scatter as Scatter
+from ._compiler.schedule import ScheduleEntry as ScheduleEntry
+from ._config import Settings as Settings
 from ._config import configure as configure
+from ._diagnostics.profile import Profile as Profile
+from ._diagnostics.report import Report as Report
 from ._errors import CollectiveMismatchError as CollectiveMismatchError
+from ._errors import ConvergenceError as ConvergenceError
 from ._errors import DerivativeCheckError as DerivativeCheckError
 from ._errors import DistopError as DistopError
 from ._errors import LauncherMismatchError as LauncherMismatchError
@@ -20,22 +33,15 @@ from ._errors import OperatorError as OperatorError
 from ._errors import OrderedEffectError as OrderedEffectError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._errors import SecondDerivativeError as SecondDerivativeError
-from ._halo import HaloExchange as HaloExchange
-from ._implicit import ImplicitOperator as ImplicitOperator
-from ._operator import DistributedOperator as DistributedOperator
-from ._operator_check import OperatorCheck as OperatorCheck
-from ._operator_check import check_operator as check_operator
-from ._problem import Problem as Problem
-from ._problem import empty as empty
-from ._reductions import Allreduce as Allreduce
-from ._reductions import Exscan as Exscan
-from ._reductions import Scan as Scan
-from ._rooted import Gather as Gather
-from ._rooted import Reduce as Reduce
-from ._rooted import Scatter as Scatter
-from ._schedule import ScheduleEntry as ScheduleEntry
-from ._totals import TotalsCheck as TotalsCheck
-from ._totals import shard as shard
+from ._mpi import runtime as _runtime
+from ._operators.implicit import ImplicitOperator as ImplicitOperator
+from ._operators.operator import DistributedOperator as DistributedOperator
+from ._problem.problem import Problem as Problem
+from ._problem.problem import empty as empty
+from ._totals.operator_check import OperatorCheck as OperatorCheck
+from ._totals.operator_check import check_operator as check_operator
+from ._totals.totals import TotalsCheck as TotalsCheck
+from ._totals.totals import shard as shard
 
 __version__ = importlib.metadata.version("distop")
 

@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] != "doctor":
         print(f"python -m distop: unknown command {argv[0]!r}.\n{USAGE}", file=sys.stderr)
         return 2
-    from ._doctor import doctor
+    from ._diagnostics.doctor import doctor
 
     return doctor(argv[1:])
 

@@ -123,7 +123,7 @@ def scan_carrying_one_more(params: dict) -> dict:
 # The rules with which JAX refuses ordered callbacks: the partial evaluation of
 # `jax.checkpoint` (differentiating it), the batching of `lax.cond` and of
 # `while_loop`. distop wraps them so that the error names the operator (see
-# _refusals.py). No public names as of jax 0.10.2; none is wrapped where they moved.
+# _operators/refusals.py). No public names as of jax 0.10.2; none is wrapped where they moved.
 def effect_refusing_rules() -> list[tuple[str, dict, Any]]:
     """**Returns:** (construct, rule table, primitive) for each rule found."""
     try:

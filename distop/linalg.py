@@ -26,7 +26,7 @@ import numpy as np
 
 from ._errors import ConvergenceError as ConvergenceError
 from ._errors import DistopError
-from ._runtime import mpi
+from ._mpi.runtime import mpi
 
 __all__ = ["ConvergenceError", "SolveResult", "cg", "gmres"]
 

@@ -120,7 +120,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--objectives", type=int, default=16)
     parser.add_argument("--variant", choices=("reverse", "forward"), default="reverse")
-    parser.add_argument("--mode", choices=distop._problem.MODES, default="batched")
+    parser.add_argument("--mode", choices=distop._problem.problem.MODES, default="batched")
     parser.add_argument("--unordered", action="store_true")
     parser.add_argument("--size", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=20)

@@ -193,7 +193,8 @@ def totals_jaxpr(problem):
     distop's rewrites), and the host calls in it (fused calls' members), in order."""
     program = next(p for k, p in problem._programs.programs.items() if k[0] == "compute_totals")
     layout = next(iter(problem._programs.layouts.values()))
-    seeds = distop._layout.seeds(problem.output_names, layout, problem.comm.Get_rank(), True)
+    seeds = distop._compiler.layout.seeds(problem.output_names, layout,
+                                          problem.comm.Get_rank(), True)
     point = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in problem._point.items()}
     jaxpr = program.fn.trace(jax.ShapeDtypeStruct((), np.float64), point, *seeds).jaxpr
     calls = [m for e in jaxpr.eqns if "call" in e.params
@@ -203,8 +204,8 @@ def totals_jaxpr(problem):
 
 def without_loops(make):
     """**Returns:** what `make()` gives with distop's loops turned off (see
-    `distop._passes.loops.rolled`): the program's calls one by one."""
-    from distop._passes import loops
+    `distop._compiler.stages.loops.rolled`): the program's calls one by one."""
+    from distop._compiler.stages import loops
 
     repeats, loops.REPEATS = loops.REPEATS, 10 ** 9
     try:
@@ -215,9 +216,9 @@ def without_loops(make):
 
 def loops_since(before):
     """**Returns:** the `RolledCall`s of the lean call sites registered since `before`
-    (a set of call ids: `set(distop._ffi._calls)`)."""
-    from distop import _ffi
-    from distop._calls.rolled import RolledCall
+    (a set of call ids: `set(distop._hostcalls.ffi._calls)`)."""
+    from distop._hostcalls import ffi as _ffi
+    from distop._hostcalls.rolled import RolledCall
 
     return [c for k, c in _ffi._calls.items()
             if k not in before and isinstance(c, RolledCall)]

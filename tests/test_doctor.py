@@ -8,7 +8,7 @@ import pytest
 from helpers import ROOT
 
 from distop import __main__ as cli
-from distop import _doctor
+from distop._diagnostics import doctor as _doctor
 
 
 def rank(host="node0", cores=(0, 1, 2, 3), threads=1, source="OMP_NUM_THREADS=1"):

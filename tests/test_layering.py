@@ -1,5 +1,6 @@
-"""The package's modules import one another without cycles and read no other module's
-private names: each concern sits on the ones below it."""
+"""The package's modules import one another without cycles, never import a layer above
+their own, and read no other module's private names: each concern sits on the ones below
+it."""
 
 import ast
 
@@ -8,6 +9,29 @@ from helpers import ROOT
 # Private names read across modules where the file to change belongs to another refactor
 # under way: (reading module, module read, name). An entry goes once its name is public.
 ALLOWED_PRIVATE_READS = frozenset()
+
+# The layers, from the bottom: a module may import its own layer and those below it. An
+# entry holds the modules it names and, for a subpackage, every module inside it; where
+# entries nest, the longest wins (`_compiler.passes` before `_compiler`). The package
+# itself holds only its `__init__`.
+LAYERS = (
+    ("_errors", "_config", "_dtypes"),
+    ("_compat",),
+    ("_mpi",),
+    ("_safety",),
+    ("_diagnostics",),
+    ("_agreement",),
+    ("_hostcalls",),
+    ("_operators",),
+    ("_collectives",),
+    ("_compiler.jaxprs",),
+    ("_compiler.stages",),
+    ("_compiler.passes",),
+    ("_compiler",),
+    ("_totals",),
+    ("_problem",),
+    ("linalg", "__main__", ""),
+)
 
 
 def _modules(package):
@@ -181,6 +205,49 @@ def _private_reads(modules):
     return sorted(found)
 
 
+def _layer_of(layers, package, module):
+    """Find the layer a module belongs to.
+
+    **Arguments:**
+    - `layers`: the layers, from the bottom (see `LAYERS`).
+    - `package`: the package's dotted name.
+    - `module`: the module's dotted name.
+
+    **Returns:** the layer's index, or None where no entry holds the module.
+    """
+    best, found = -1, None
+    for index, entries in enumerate(layers):
+        for entry in entries:
+            named = f"{package}.{entry}" if entry else package
+            holds = module == named or (entry and module.startswith(named + "."))
+            if holds and len(named) > best:
+                best, found = len(named), index
+    return found
+
+
+def _upward_imports(graph, layers, package):
+    """Find the imports that go up the layers, and the modules no layer holds.
+
+    **Arguments:**
+    - `graph`: {module: set of the modules it imports}.
+    - `layers`: the layers, from the bottom (see `LAYERS`).
+    - `package`: the package's dotted name.
+
+    **Returns:** ["module (layer i) imports other (layer j)"] and ["module"], sorted.
+    """
+    upward, placed = [], []
+    for module in sorted(graph):
+        mine = _layer_of(layers, package, module)
+        if mine is None:
+            placed.append(module)
+            continue
+        for other in sorted(graph[module]):
+            theirs = _layer_of(layers, package, other)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{module} (layer {mine}) imports {other} (layer {theirs})")
+    return upward, placed
+
+
 def test_the_checks_see_every_kind_of_import(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
@@ -223,3 +290,20 @@ def test_no_module_reads_another_modules_private_names():
     found = _private_reads(_modules(ROOT / "distop"))
     assert not found, "private names read across modules (make them public):\n" + \
         "\n".join(found)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"pkg": {"pkg.low", "pkg.high.b"}, "pkg.low": {"pkg.high.a"},
+             "pkg.high.a": {"pkg.low", "pkg.high.b"}, "pkg.high.b": set(), "pkg.stray": set()}
+    layers = (("low",), ("high",), ("",))
+    assert _layer_of(layers, "pkg", "pkg.high.b") == 1
+    assert _layer_of(layers, "pkg", "pkg.stray") is None  # the package holds only itself
+    assert _upward_imports(graph, layers, "pkg") == (
+        ["pkg.low (layer 0) imports pkg.high.a (layer 1)"], ["pkg.stray"])
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward, unplaced = _upward_imports(_graph(_modules(ROOT / "distop")), LAYERS, "distop")
+    assert not unplaced, "modules in no layer (add them to LAYERS):\n" + "\n".join(unplaced)
+    assert not upward, "imports that go up the layers (function-local imports too):\n" + \
+        "\n".join(upward)

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 import distop
-from distop._passes import loops
+from distop._compiler.stages import loops
 
 jax.config.update("jax_enable_x64", True)
 

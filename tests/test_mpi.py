@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import CORE, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
-from distop._profile_report import check_trace
+from distop._diagnostics.report import check_trace
 
 pytestmark = pytest.mark.mpi
 

@@ -306,9 +306,9 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
     rule (fast to trace); the program, and so every gradient, is the one JAX derives
     from its JVP rule: for several inputs and outputs, an integer input, a 0-d input, a
     batch of seeds; on both paths."""
-    from distop import _ffi
     from distop._compat import primitive_linearizations
-    from distop._operator import host_call_p
+    from distop._hostcalls import ffi as _ffi
+    from distop._operators.operator import host_call_p
 
     op, mul = ScaledSum(), Mul()
 

@@ -1,10 +1,12 @@
-"""The README's commands are what CI runs, its example runs, and the package says its
-version."""
+"""The README's commands are what CI runs, its example runs, the package says its
+version, and `import distop` binds everything the API pages list."""
 
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
 
 import numpy as np
@@ -24,6 +26,25 @@ def test_ci_runs_the_readme_test_command():
     assert all(line.startswith(("&& .venv-openmpi/bin/python -m pytest",
                                 "&& .venv-py312/bin/python -m pytest"))
                for line in command[1:]), command
+
+
+def test_import_distop_binds_linalg():
+    # a fresh process: here another test may have imported `distop.linalg` already
+    code = "import distop; print(distop.linalg.cg is distop.linalg.__dict__['cg'])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+
+
+def test_the_api_pages_list_every_public_name():
+    listed = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        listed |= set(re.findall(r"^::: distop\.(\w+)", page.read_text(), re.M))
+    public = {name for name, value in vars(distop).items()
+              if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+    assert {"Profile", "Report", "Settings", "ConvergenceError"} <= public
+    assert public <= listed, sorted(public - listed)
+    assert distop.ConvergenceError is distop.linalg.ConvergenceError
 
 
 def test_version():

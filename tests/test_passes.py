@@ -8,10 +8,11 @@ import pytest
 from helpers import RowScale
 from jax.extend.core import jaxpr_as_fun
 
-from distop import _ffi
-from distop._calls.fused import FusedCall
-from distop._passes import base, fold, fuse, identity, pipeline, rows, unused
-from distop._passes.jaxprs import lean_calls
+from distop._compiler import pipeline
+from distop._compiler.jaxprs import lean_calls
+from distop._compiler.passes import base, fold, fuse, identity, rows, unused
+from distop._hostcalls import ffi as _ffi
+from distop._hostcalls.fused import FusedCall
 
 X = np.array([0.5, 2.0])
 TOKEN = jax.ShapeDtypeStruct((), np.float64)
@@ -145,9 +146,9 @@ def test_unused_merge_drops_what_every_rank_drops_and_asks_again_until_they_agre
     step = unused.DropUnused()
     assert step.merge([(0, 2), (0, 2)]) == unused.Drops((0, 2), True)
     decision = step.merge([(0, 1, 2), (1, 2, 3)])
-    assert decision == unused.Drops((1, 2), False) and not step.agreed(decision)
+    assert decision == unused.Drops((1, 2), False) and not step.unanimous(decision)
     assert step.again(base.Context(), decision).allowed == {1, 2}
-    assert step.shared and step.ahead
+    assert step.shared and step.optimistic
 
 
 def test_fuse_joins_neighbours_where_every_rank_can():
@@ -212,7 +213,7 @@ def test_the_passes_run_in_their_declared_order():
     assert [type(p) for p in pipeline.PASSES] == [
         identity.DropIdentityProducts, fold.FoldKnown, rows.KnownRows, unused.DropUnused,
         fuse.Fuse]
-    assert [type(p) for p in pipeline.SETTLE] == [fuse.AgreeRows]
+    assert [type(p) for p in pipeline.AFTER_REWRITE] == [fuse.AgreeRows]
     assert [p.shared for p in pipeline.PASSES] == [False, False, True, True, True]
 
 

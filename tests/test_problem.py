@@ -279,16 +279,16 @@ def test_only_programs_that_always_end_and_run_no_host_code_of_their_own_agree_i
               "unordered operator": (lambda x: {"f": jnp.sum(op(unordered(x)))}, False),
               "pure callback": (lambda x: {"f": jnp.sum(op(jax.pure_callback(
                   np.negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)))}, False)}
-    for name, (model, ahead) in models.items():
+    for name, (model, makes_agreement) in models.items():
         problem = distop.Problem(model, {"x": x0})
         problem.run()
-        assert _programs(problem)["run"].ahead is ahead, name
+        assert _programs(problem)["run"].makes_agreement is makes_agreement, name
     problem = distop.Problem(models["plain"][0], {"x": x0}, backend="io_callback")
     problem.run()
-    assert not _programs(problem)["run"].ahead
+    assert not _programs(problem)["run"].makes_agreement
     # nor does an FFI call of the model's own (its target could communicate)
     own_ffi = jax.make_jaxpr(jax.ffi.ffi_call("a_target", jax.ShapeDtypeStruct((), x0.dtype)))
-    assert [distop._programs.not_ahead(e) for e in own_ffi().eqns] == [True]
+    assert [distop._compiler.programs.blocks_agreement(e) for e in own_ffi().eqns] == [True]
 
 
 def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
@@ -313,7 +313,7 @@ def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
 
 
 def test_a_long_chain_runs_in_segments_exactly_once_per_call(monkeypatch):
-    from distop._passes import loops, segments
+    from distop._compiler.stages import loops, segments
 
     monkeypatch.setattr(loops, "REPEATS", 10 ** 9)  # no loops: the chain as it is
     log = []
@@ -382,7 +382,7 @@ def _loops(problem, name):
 
 
 def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order():
-    from distop._passes import loops
+    from distop._compiler.stages import loops
 
     log, n = [], 3 * loops.REPEATS + 1
     ops = [_Logged(i, log, ordered=True) for i in range(n)]
@@ -471,8 +471,8 @@ def test_loops_among_more_calls_than_one_segment_holds():
 def test_loops_release_their_call_sites_with_the_program():
     import gc
 
-    from distop import _ffi
-    from distop._passes import loops
+    from distop._compiler.stages import loops
+    from distop._hostcalls import ffi as _ffi
 
     log = []
     ops = [_Logged(i, log, ordered=True) for i in range(loops.REPEATS + 2)]
@@ -691,7 +691,7 @@ def test_a_vjp_sees_only_the_seed_rows_that_reach_it(batched):
 def test_products_with_identity_matrices_are_dropped_exactly():
     from jax.extend.core import jaxpr_as_fun
 
-    from distop._passes import identity
+    from distop._compiler.passes import identity
 
     def f(unit, w, v):
         return (unit @ w, w.T @ unit, jnp.einsum("ij,kj->ik", unit, w.T),
@@ -734,7 +734,7 @@ def test_a_reverse_sweep_over_unit_seeds_does_not_multiply_by_them():
 def test_values_known_before_the_program_runs_are_computed_once_exactly():
     from jax.extend.core import jaxpr_as_fun
 
-    from distop._passes import fold
+    from distop._compiler.passes import fold
 
     w = np.arange(12.0).reshape(3, 4) - 5
 
@@ -772,7 +772,7 @@ def test_values_known_before_the_program_runs_are_computed_once_exactly():
 
 
 def test_products_with_seeds_in_another_order_are_computed_ahead():
-    from distop._passes import fold
+    from distop._compiler.passes import fold
 
     w = np.linspace(-1.0, 2.0, 12).reshape(3, 4)
     closed = jax.make_jaxpr(lambda s: _rows(s, [2, 0, 1]) @ w)(np.eye(3))
@@ -802,7 +802,7 @@ def test_products_with_seeds_in_another_order_are_computed_ahead():
 def test_products_with_seeds_in_another_order_and_an_input_take_its_entries(product):
     from jax.extend.core import jaxpr_as_fun
 
-    from distop._passes import fold
+    from distop._compiler.passes import fold
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 4))
@@ -884,7 +884,7 @@ def _rows(s, order):
 def test_values_computed_ahead_are_the_program_s_bit_for_bit(f):
     from jax.extend.core import jaxpr_as_fun
 
-    from distop._passes import fold
+    from distop._compiler.passes import fold
 
     unit = np.eye(3)
     closed = jax.make_jaxpr(f)(unit)
@@ -896,7 +896,7 @@ def test_values_computed_ahead_are_the_program_s_bit_for_bit(f):
 
 @pytest.mark.parametrize("config", [((1, 2, 0),), ((2, -1, 1),), ((-1, 0, 2),), ((0, 0, 3),)])
 def test_pads_computed_ahead_are_xla_s(config):
-    from distop._passes import fold
+    from distop._compiler.passes import fold
 
     x = np.arange(1.0, 5.0)
     np.testing.assert_array_equal(fold._pad(x, np.float64(-7.0), config),
@@ -989,7 +989,7 @@ def test_programs_run_on_the_calling_thread_unless_async_dispatch_is_kept(settin
 
 
 def test_rows_of_gives_none_a_slice_or_indices():
-    from distop._calls.host import rows_of
+    from distop._hostcalls.host import rows_of
 
     assert rows_of(np.array([True, True, True])) is None
     assert rows_of(np.array([False, True, True, False])) == slice(1, 3)
@@ -1112,14 +1112,14 @@ def _same_totals_as_io_callback(model, x0):
 def test_an_integer_output_is_left_out_of_the_totals_in_every_mode(backend):
     problem = distop.Problem(lambda x: {"f": jnp.sum(x ** 2), "n": jnp.argmax(x)},
                              {"x": np.array([1.0, 2.0])}, backend=backend)
-    for mode in distop._problem.MODES:
+    for mode in distop._problem.problem.MODES:
         J = problem.compute_totals(mode=mode)
         assert list(J) == [("f", "x")], (mode, J)
         np.testing.assert_array_equal(J["f", "x"], [[2.0, 4.0]])
 
 
 def test_inputs_are_private_copies_that_the_programs_read_in_place():
-    from distop._inputs import REUSES as _REUSES
+    from distop._problem.inputs import REUSES as _REUSES
 
     problem = distop.Problem(lambda x: {"s": jnp.sum(Cube()(x)), "y": Cube()(x) + 1.0},
                              {"x": np.ones(3)})
@@ -1209,7 +1209,7 @@ def test_empty_makes_arrays_that_xla_reads_in_place(shape, dtype):
 
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
 def test_copy_none_shares_the_inputs_xla_reads_in_place_and_copies_the_others(backend):
-    from distop._inputs import REUSES as _REUSES
+    from distop._problem.inputs import REUSES as _REUSES
 
     x = distop.empty(3)
     x[:] = [1.0, 2.0, 3.0]
@@ -1335,7 +1335,7 @@ def test_a_problem_called_in_the_other_precision_raises(backend):
 
 
 def test_the_token_count_restarts_before_it_could_lose_exactness(monkeypatch):
-    monkeypatch.setattr(distop._ffi, "TOKEN_RESTART", 5)
+    monkeypatch.setattr(distop._hostcalls.ffi, "TOKEN_RESTART", 5)
     p = distop.Problem(lambda x: {"s": jnp.sum(Cube(ordered=True)(x))}, {"x": np.ones(2)})
     seen = []
     for _ in range(12):
@@ -1414,20 +1414,20 @@ def test_the_programs_of_the_least_recently_used_shapes_are_let_go(monkeypatch):
     monkeypatch.setenv("DISTOP_CACHE_SIZE", "2")
     op = Cube(ordered=True)
     problem = distop.Problem(lambda x: {"s": jnp.sum(op(x))}, {"x": np.ones(1)})
-    before = len(distop._ffi._calls)
+    before = len(distop._hostcalls.ffi._calls)
     for n in [2, 3, 4, 5, 6, 2, 7, 8]:
         assert problem.run(x=np.ones(n))["s"] == n
         np.testing.assert_array_equal(problem.compute_totals()["s", "x"], np.full((1, n), 3.0))
         assert len(problem._programs.layouts) <= 2
     gc.collect()
-    assert len(distop._ffi._calls) - before <= 2 * 3  # (run, totals: their call sites)
+    assert len(distop._hostcalls.ffi._calls) - before <= 2 * 3  # (run, totals: their call sites)
     monkeypatch.setenv("DISTOP_CACHE_SIZE", "0")
     with pytest.raises(ValueError, match="DISTOP_CACHE_SIZE='0': expected a whole number"):
         distop.Problem(lambda x: {"s": jnp.sum(x)}, {"x": np.ones(1)})
 
 
 def test_replicated_values_compare_as_values():
-    from distop._totals import _difference, _digest
+    from distop._totals.totals import _difference, _digest
 
     assert _digest(np.array([0.0, np.nan])) == _digest(np.array([-0.0, np.nan]))
     assert _difference(np.array([-0.0, np.nan]), np.array([0.0, np.nan])) is None
@@ -1435,3 +1435,13 @@ def test_replicated_values_compare_as_values():
                                                              np.array([1.0, 2.0]))
     assert "NaN on one side only" in _difference(np.array([np.nan]), np.array([1.0]))
     assert "has shape (2,), rank 0 (1,)" in _difference(np.ones(2), np.ones(1))
+
+
+def test_a_problems_configuration_is_read_only():
+    problem = distop.Problem(lambda x: {"f": jnp.sum(x ** 2)}, {"x": np.arange(3.0)},
+                             fuse=False, copy=None)
+    assert (problem.fuse, problem.copy) == (False, None)
+    assert problem.backend in ("lean", "io_callback") and callable(problem.model)
+    for name in ("model", "backend", "fuse", "copy"):
+        with pytest.raises(AttributeError):
+            setattr(problem, name, getattr(problem, name))

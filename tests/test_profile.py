@@ -9,8 +9,8 @@ import pytest
 from helpers import Cube, RankSum
 
 import distop
-from distop import _profile
-from distop._profile_report import Report, check_trace, summarize
+from distop._diagnostics import profile as _profile
+from distop._diagnostics.report import Report, check_trace, summarize
 
 MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

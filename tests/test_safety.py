@@ -15,8 +15,10 @@ import pytest
 from helpers import CORE, ROOT, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
 import distop
-from distop import _config, _runtime, _watchdog
-from distop._launch import diagnose
+from distop import _config
+from distop._mpi import runtime as _runtime
+from distop._mpi.launch import diagnose
+from distop._safety import watchdog as _watchdog
 
 MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
 OPEN_MPI = "Open MPI v5.0.3, package: Open MPI Distribution, ident: 5.0.3"
@@ -455,7 +457,7 @@ def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
 
 
 def test_the_watchdog_names_a_step_of_making_a_problem_once(monkeypatch):
-    from distop import _coordinator
+    from distop._agreement import coordinator as _coordinator
 
     class TwoRanks:  # (a stand-in: every rank's part is this one's)
         def Get_size(self):
@@ -470,6 +472,6 @@ def test_the_watchdog_names_a_step_of_making_a_problem_once(monkeypatch):
     coordinator = object.__new__(_coordinator.Coordinator)
     coordinator.comm = TwoRanks()
     monkeypatch.setattr(_coordinator, "_max", lambda: None)
-    coordinator.agree("Problem: checking its arguments", lambda: 1)
-    coordinator.agree("run: tracing the program", lambda: 2)
+    coordinator.collective_step("Problem: checking its arguments", lambda: 1)
+    coordinator.collective_step("run: tracing the program", lambda: 2)
     assert watched == ["Problem: checking its arguments", "Problem: run: tracing the program"]

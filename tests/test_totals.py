@@ -340,7 +340,7 @@ class Terminal(io.StringIO):
 
 
 def test_a_long_check_totals_shows_its_progress(monkeypatch):
-    from distop import _progress
+    from distop._diagnostics import progress as _progress
 
     monkeypatch.setattr(_progress, "AFTER", 0.0)  # (as if the check had run long)
     monkeypatch.setattr(_progress, "EVERY", 0.05)

@@ -10,7 +10,8 @@ import pytest
 from helpers import Cube
 
 import distop
-from distop import _ffi, _xla_ffi
+from distop._hostcalls import ffi as _ffi
+from distop._hostcalls import xla_ffi as _xla_ffi
 
 _names = (f"distop_test_target_{i}" for i in itertools.count())
 

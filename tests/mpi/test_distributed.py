@@ -498,8 +498,8 @@ def test_shard_gives_every_rank_the_same_count():
 
 
 def test_a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
-    from distop import _ffi
-    from distop._passes import loops
+    from distop._compiler.stages import loops
+    from distop._hostcalls import ffi as _ffi
 
     rng = np.random.default_rng(2)
     xg = rng.standard_normal(N)

@@ -163,7 +163,7 @@ def test_fused_vjps_agree_on_their_nonzero_seed_rows():
 
 
 def test_vjps_are_given_the_rows_some_rank_needs_on_every_rank():
-    from distop._passes import rows
+    from distop._compiler.passes import rows
 
     class Weighted(distop.DistributedOperator):
         """y = c * sum over ranks of (rank + 1) * x (an Allreduce in forward and vjp)."""
@@ -237,15 +237,15 @@ def test_calls_given_rows_alike_where_ranks_build_different_programs():
 
 
 def test_a_long_chain_runs_in_segments_with_every_collective_once_in_order():
-    from distop._passes import segments
+    from distop._compiler.stages import segments
 
     # no loops: the chain as it is
     without_loops(lambda: _chain_runs_every_collective_once_in_order(segments.SEGMENT + 6))
 
 
 def test_a_repeated_stretch_runs_as_one_loop_with_every_collective_once_in_order():
-    from distop import _ffi
-    from distop._passes import loops
+    from distop._compiler.stages import loops
+    from distop._hostcalls import ffi as _ffi
 
     before = set(_ffi._calls)
     problem = _chain_runs_every_collective_once_in_order(2 * loops.REPEATS + 3)
@@ -333,7 +333,7 @@ def test_several_inputs_and_outputs_with_a_0d_input():
     out = problem.run()
     all_close_everywhere(comm, out["u"], total * a)
     all_close_everywhere(comm, out["v"], total * b * t)
-    for mode in distop._problem.MODES:
+    for mode in distop._problem.problem.MODES:
         J = problem.compute_totals(mode=mode)
         all_close_everywhere(comm, J["u", "a"], total * np.eye(3))
         all_close_everywhere(comm, J["v", "b"], total * t * np.eye(2))
@@ -382,7 +382,7 @@ def test_operators_inside_scan_and_fori_loop():
     y = m3 @ x0
     all_close_everywhere(comm, problem.run()["f"], y @ y + np.sum(m2 @ x0))
     exact = 2 * m3.T @ y + m2.T @ np.ones(30)
-    for mode in distop._problem.MODES:
+    for mode in distop._problem.problem.MODES:
         all_close_everywhere(comm, problem.compute_totals(mode=mode)["f", "x"][0], exact)
     del op
 

@@ -150,7 +150,7 @@ def _hold_all_communicators_but(spare):
 
 
 def test_freeing_a_communicator_frees_distop_s_duplicate_of_it():
-    from distop import _comm
+    from distop._agreement import comm as _comm
 
     # With all but 16 of MPI's communicators held, one duplicate left behind per
     # Problem would exhaust them within the loop ("Other MPI error" from MPI_Comm_dup).
@@ -175,7 +175,7 @@ def test_freeing_a_communicator_frees_distop_s_duplicate_of_it():
 
 
 def test_what_distop_keeps_per_communicator_goes_with_it():
-    from distop import _coordinator
+    from distop._agreement import coordinator as _coordinator
 
     # a Problem with more distributed inputs widens every agreement on its communicator;
     # a later communicator (which may get the freed one's handle) starts afresh

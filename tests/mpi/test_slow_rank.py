@@ -11,7 +11,7 @@ from jax import lax
 from mpi4py import MPI
 
 import distop
-from distop._profile_report import check_trace
+from distop._diagnostics.report import check_trace
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size

@@ -5,8 +5,8 @@ import time
 
 from mpi4py import MPI
 
-from distop import _watchdog
-from distop._watchdog_channel import Channel
+from distop._safety import watchdog as _watchdog
+from distop._safety.watchdog_channel import Channel
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size

@@ -1,0 +1,130 @@
+"""The functions of the entry points, as traced into programs: the model, its totals,
+its finite differences."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._hostcalls import ffi as _ffi
+from .._operators.operator import complex_step
+from .layout import row, split_seeds
+
+
+class TotalsOptions(NamedTuple):
+    """What selects a totals program besides its layout."""
+
+    mode: str  # "batched", "loop" or "unrolled"
+    of: tuple[str, ...]  # output names
+    wrt: tuple[str, ...]  # input names
+    with_values: bool = False  # whether it returns the outputs' values too
+    direction: str = "rev"  # "rev": sweeps seeded by `of`; "fwd": seeded by `wrt`
+
+
+class FDOptions(NamedTuple):
+    """What selects a finite-difference program besides its layout."""
+
+    wrt: tuple[str, ...]  # input names
+    form: str  # "central", "forward" or "backward"
+    step: float
+    method: str = "fd"  # "fd" (finite differences) or "cs" (complex step)
+
+
+def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:
+    """**Returns:** the model's outputs at `point`, checked to be a dict of arrays."""
+    out = model(**point)
+    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
+        raise TypeError(f"Problem: the model returned a {type(out).__name__}; expected "
+                        "a dict of output name -> array.")
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout: Any,
+          vectorize: bool = True) -> Callable[..., Any]:
+    """The function of an entry point; `vectorize=False` replaces `vmap` over seeds
+    or perturbations by a sequential loop (for models JAX cannot vmap)."""
+    def batch(fn: Callable[[Any], Any], xs: Any) -> Any:
+        if not vectorize:
+            return lax.map(fn, xs)
+        session = _ffi.session()
+        if session is None:
+            return jax.vmap(fn)(xs)
+        # The lean path's token leaves the vmap as an unbatched output.
+        out, session.token = jax.vmap(lambda x: (fn(x), session.token),
+                                      out_axes=(0, None))(xs)
+        return out
+
+    if name == "run":
+        return lambda point: call_model(model, point)
+    if name == "fd":
+        def perturbed(point: dict[str, Any], deltas: dict[str, Any]) -> Any:
+            with complex_step(options[3] == "cs"):
+                return batch(lambda d: call_model(
+                    model, {**point, **{k: point[k] + d[k] for k in d}}), deltas)
+        return perturbed
+    mode, of_names, diff_names, with_values, direction = options
+    if mode == "batched" and not vectorize:
+        mode = "loop"
+
+    def sweeps(sweep: Callable[[Any], Any], seeds: dict[str, Any]) -> dict[str, Any]:
+        """`sweep` of every row of `seeds`, stacked, as `mode` says."""
+        if mode == "batched":
+            return batch(sweep, seeds)
+        if mode == "loop":
+            return lax.scan(lambda carry, seed: (carry, sweep(seed)), None, seeds)[1]
+        n = next(iter(seeds.values())).shape[0]
+        rows = [sweep({k: row(v, i) for k, v in seeds.items()}) for i in range(n)]
+        return {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def totals(point: dict[str, Any], *packed: Any) -> dict[Any, Any]:
+        diff = {k: point[k] for k in diff_names}  # differentiate only what was asked for
+        rest = {k: v for k, v in point.items() if k not in diff}
+        order: list[str] = []  # the model's order of its outputs (jax.vjp's is sorted)
+
+        def restricted(d: dict[str, Any]) -> dict[str, jax.Array]:
+            values = call_model(model, {**rest, **d})
+            order[:] = values
+            return values
+
+        if direction == "fwd":  # one sweep per entry of `wrt`: of name -> tangents
+            values, linear = linearized(restricted, diff)
+            cts = sweeps(lambda t: {k: linear(t)[k] for k in of_names},
+                         dict(zip(diff_names, packed)))
+        else:  # one sweep per entry of `of`: wrt name -> cotangents
+            values, back = pullback(restricted, diff)
+            cts = sweeps(lambda seed: back(seed)[0], split_seeds(packed, layout))
+        if not with_values:
+            return cts
+        # (packed in the model's order, as `run` packs them: XLA then makes no copy
+        # of the slices of a vector)
+        return {**{("value", k): values[k] for k in order},
+                **{("total", k): v for k, v in cts.items()}}
+
+    return totals
+
+
+def linearized(fn: Callable[[Any], Any], diff: dict[str, Any],
+               ) -> tuple[Any, Callable[[Any], Any]]:
+    """`jax.linearize(fn, diff)`: the values and the linear map of the tangents; on the
+    lean path the token leaves `jax.linearize` as an output of its own, as in
+    `pullback`."""
+    session = _ffi.session()
+    if session is None:
+        return jax.linearize(fn, diff)
+    (values, session.token), linear = jax.linearize(lambda d: (fn(d), session.token), diff)
+    return values, lambda tangent: linear(tangent)[0]
+
+
+def pullback(fn: Callable[[Any], Any], diff: dict[str, Any],
+             ) -> tuple[Any, Callable[[Any], Any]]:
+    """`jax.vjp(fn, diff)`: the values and the pullback; on the lean path the token
+    leaves `jax.vjp` as an output of its own (with a zero cotangent), so the
+    backward calls continue the forward calls' chain."""
+    session = _ffi.session()
+    if session is None:
+        return jax.vjp(fn, diff)
+    (values, session.token), back = jax.vjp(lambda d: (fn(d), session.token), diff)
+    zero = jnp.zeros(())
+    return values, lambda seed: back((seed, zero))

@@ -1,0 +1,440 @@
+"""The lean host-call path: an XLA FFI target whose handler is a Python function.
+
+A jitted program with an ordered JAX effect leaves JAX's fast dispatch path, and its
+`io_callback`s go through JAX's Python callback machinery. Inside the programs a
+`Problem` builds, distop can do without the effect: every ordered host call takes and
+returns a float64 scalar *token*, threaded through the calls in program order (a data
+dependency that XLA must respect), and the final token is a program output, so no call
+is dropped. Each call site carries a unique `call_id` attribute, so XLA never merges two
+calls. The handler answers XLA's metadata query, reports Python errors through the FFI
+error API (an exception escaping a ctypes callback would read as success), and writes
+results straight into XLA's output buffers. It reads XLA's structs through the mirror of
+XLA's FFI C API in `_xla_ffi`, which registration checks against the running jaxlib.
+"""
+
+import ctypes as C
+import itertools
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, JaxprEqn
+
+from .._agreement.coordinator import offered, withdraw
+from .._compat import ProgramTrace, current_trace, lean_session, scan_consts, x64_enabled
+from .._errors import DistopError
+from . import xla_ffi as _xla_ffi
+from .base import HostCallable
+from .xla_ffi import (
+    DTYPES,
+    ERROR_CREATE_ARGS_SIZE,
+    EXECUTE,
+    INTERNAL,
+    METADATA,
+    Api,
+    Buffer,
+    CallFrame,
+    ErrorCreateArgs,
+    MetadataExtension,
+    Scalar,
+)
+
+TARGET = "distop_host_call"
+# call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
+_calls: dict[int, HostCallable] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_registered = False
+
+_DATA = Buffer.data.offset
+# call_id -> the _Slots of its arguments, of its results
+_plans: dict[int, tuple[list["_Slot"], list["_Slot"]]] = {}
+# The process's memory from `_BASE` on (below it nothing is ever mapped) as two
+# memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
+# makes its numpy view on a slice of one, the buffer's exact bytes (read-only for
+# arguments, so a method cannot make them writeable): 0.5-0.7 µs, where a view through
+# a ctypes array took 1.5-4 µs. The view's `.base` is that slice, no more.
+_BASE = 4096
+_memory = C.pythonapi.PyMemoryView_FromMemory
+_memory.restype, _memory.argtypes = C.py_object, [C.c_void_p, C.c_ssize_t, C.c_int]
+_SPACE = {writeable: _memory(_BASE, sys.maxsize - _BASE, 0x200 if writeable else 0x100)
+          for writeable in (False, True)}  # (PyBUF_WRITE, PyBUF_READ)
+
+
+def _huge_pages() -> Callable[[int, int], None] | None:
+    """**Returns:** a function `advise(address, nbytes)` asking Linux to back the whole
+    2 MiB pages of that range with huge pages, or None where it cannot (not Linux, or
+    transparent huge pages off)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return None
+        madvise = C.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [C.c_void_p, C.c_size_t, C.c_int], C.c_int
+
+    def advise(address: int, nbytes: int) -> None:
+        start = -(-address // _HUGE) * _HUGE
+        stop = (address + nbytes) // _HUGE * _HUGE
+        if stop > start:
+            madvise(start, stop - start, _MADV_HUGEPAGE)  # (a refusal changes nothing)
+
+    return advise
+
+
+_HUGE, _MADV_HUGEPAGE = 2 << 20, 14
+# Results of at least this many bytes get huge pages, as numpy asks for its own arrays
+# of 4 MiB and more: XLA allocates a result's buffer afresh on most calls, and an
+# Allreduce into 122 MiB of 4 KiB pages took about twice as long (page faults, TLB
+# misses) as into a numpy array.
+_ADVISED = 4 << 20
+_advise = _huge_pages()
+
+
+class _Slot:
+    """One argument or result of a call site: its dtype and shape (fixed per call site),
+    and whether a method may write to it. XLA passes a different buffer address on
+    almost every call (a result's buffer is new each time), so each call gets new
+    numpy views (and a large result's buffer huge pages, see `_ADVISED`)."""
+
+    __slots__ = ("advise", "dtype", "nbytes", "shape", "size", "space")
+
+    def __init__(self, address: int, writeable: bool) -> None:
+        b = Buffer.from_address(address)
+        self.shape = tuple(b.dims[i] for i in range(b.rank))
+        self.dtype = np.dtype(DTYPES[b.dtype])
+        self.size = int(np.prod(self.shape))
+        self.nbytes = self.size * self.dtype.itemsize
+        self.space = _SPACE[writeable]
+        self.advise = _advise if writeable and self.nbytes >= _ADVISED else None
+
+    def view(self, data: int | None) -> np.ndarray:
+        if not self.size:
+            return np.zeros(self.shape, self.dtype)
+        assert data is not None  # (XLA's buffer of a nonempty value has an address)
+        if self.advise is not None:
+            self.advise(data, self.nbytes)
+        start = data - _BASE
+        return np.ndarray(self.shape, self.dtype, self.space[start:start + self.nbytes])
+
+
+def _plan(values: "C._Pointer[C.c_void_p]", size: int, writeable: bool) -> list[_Slot]:
+    return [_Slot(values[i], writeable) for i in range(size)]
+
+
+def _arrays(values: "C._Pointer[C.c_void_p]", slots: Sequence[_Slot]) -> list[np.ndarray]:
+    """numpy views of XLA's buffers (valid only during the call). The arguments' views
+    are read-only, as JAX's own callbacks pass them: XLA may pass a program input or a
+    constant of the program, which a method must not change."""
+    return [slot.view(C.c_void_p.from_address(values[i] + _DATA).value)
+            for i, slot in enumerate(slots)]
+
+
+def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
+    frame = frame_pointer.contents
+    try:
+        extension = frame.extension_start
+        if extension and extension.contents.type == METADATA:
+            _answer(frame_pointer, extension)
+            return None
+        if frame.stage != EXECUTE:
+            return None
+        scalar = Scalar.from_address(frame.attrs.attrs[0])
+        call_id = C.c_int64.from_address(scalar.value).value
+        call = _calls[call_id]
+        arg_values, ret_values = frame.args.values, frame.rets.values
+        plans = _plans.get(call_id)
+        if plans is None:
+            plans = _plans[call_id] = (_plan(arg_values, frame.args.size, False),
+                                       _plan(ret_values, frame.rets.size, True))
+        args = _arrays(arg_values, plans[0])
+        rets = _arrays(ret_values, plans[1])
+        rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
+        pending = offered()
+        if pending is not None:
+            if pending.ranks_disagree():
+                # The ranks do not agree on this program: no method runs, on any rank
+                # (each one's first call finds it out), and the results are zeros.
+                for out in rets[1:]:
+                    out[...] = 0
+                return None
+            withdraw()  # (agreed: the program's later calls need not ask)
+        results = call(*args[1:], out=rets[1:])
+        for out, result in zip(rets[1:], results):
+            if result is not out:
+                # (numpy skips the copy when `result` is `out`'s memory: written in place)
+                out[...] = result
+        return None
+    except BaseException as err:  # noqa: BLE001 - must become an FFI error, never escape
+        api = C.cast(frame.api, C.POINTER(Api)).contents
+        text = f"{type(err).__name__}: {err}".encode("utf-8", "backslashreplace")
+        error = ErrorCreateArgs(ERROR_CREATE_ARGS_SIZE, None, text, INTERNAL)
+        return api.error_create(C.byref(error))
+
+
+_HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(CallFrame))(_handler)
+# What XLA's metadata query found while `_register_target` registers the handler: the
+# `_xla_ffi.Report` of an API that fits the mirror, a `DistopError` saying why it does
+# not, or None before the query.
+_found: _xla_ffi.Report | DistopError | None = None
+
+
+def _answer(frame_pointer: "C._Pointer[CallFrame]",
+            extension: "C._Pointer[_xla_ffi.ExtensionBase]") -> None:
+    """Answer XLA's metadata query, once the C API that makes it is found to fit the
+    mirror in `_xla_ffi`; XLA makes the query as it registers the handler.
+
+    Where the API does not fit, no further field of the query is read or written and
+    no XLA function is called, since either may lie elsewhere than the mirror says.
+    The query stays unanswered, so XLA refuses the handler, and `_register_target`
+    raises the `DistopError` left in `_found`.
+
+    **Arguments:**
+
+    - `frame_pointer`: the query's call frame.
+    - `extension`: the frame's metadata extension.
+    """
+    global _found
+    try:
+        report = _xla_ffi.report(frame_pointer)
+        problem = _xla_ffi.incompatibility(report)
+        if problem is None:
+            metadata = C.cast(extension, C.POINTER(MetadataExtension)).contents.metadata
+            metadata.contents.api_version.major_version = _xla_ffi.MAJOR
+            metadata.contents.api_version.minor_version = _xla_ffi.MINOR
+            metadata.contents.traits = 0
+            _found = report
+        else:
+            _found = _unavailable(report.version, problem)
+    except BaseException as err:  # noqa: BLE001 - an escaping exception reads as success
+        _found = _unavailable(None, f"checking it raised {type(err).__name__}: {err}")
+
+
+def _unavailable(version: tuple[int, int] | None, problem: str) -> DistopError:
+    """The error of a jaxlib whose FFI C API does not fit the mirror in `_xla_ffi`.
+
+    **Arguments:**
+
+    - `version`: the jaxlib's (major, minor) FFI API version, None where unknown.
+    - `problem`: a clause saying what does not fit (`_xla_ffi.incompatibility`).
+
+    **Returns:** the error, naming both versions and the fallback.
+    """
+    import jaxlib
+
+    ours = f"{_xla_ffi.MAJOR}.{_xla_ffi.MINOR}"
+    theirs = "an unknown version" if version is None else f"version {version[0]}.{version[1]}"
+    return DistopError(
+        f"Problem's lean path cannot use jaxlib {jaxlib.__version__}: distop mirrors "
+        f"XLA's FFI C API version {ours} (xla/ffi/api/c_api.h), jaxlib "
+        f"{jaxlib.__version__} has {theirs}, and {problem}. "
+        "The lean path is unavailable with this jaxlib, since its host calls read "
+        "XLA's structs through that mirror. "
+        "Pass Problem(..., backend='io_callback') or set DISTOP_BACKEND=io_callback.")
+
+
+def _register_target(name: str) -> _xla_ffi.Report:
+    """Register the handler with XLA as the CPU FFI target `name`, checking on the way
+    that the running jaxlib's FFI C API fits the mirror in `_xla_ffi`.
+
+    The check runs in XLA's metadata query, the handler's first call, before any
+    program runs: a mismatch is a `DistopError` here, on every rank alike, rather than
+    a fallback to `io_callback` that would leave every program silently slower. The
+    handler's calls that run programs do not check again.
+
+    **Arguments:**
+
+    - `name`: the target's name.
+
+    **Returns:** what the metadata query read of the API version and struct sizes.
+
+    **Raises:** `DistopError` where the API does not fit or could not be checked.
+    """
+    global _found
+    import jax
+
+    # XLA queries the metadata during registration only once the CPU backend exists;
+    # before, the query would run inside the backend's creation, beyond our reach.
+    jax.local_devices(backend="cpu")
+    _found = None
+    try:
+        jax.ffi.register_ffi_target(
+            name, jax.ffi.pycapsule(C.cast(_HANDLER, C.c_void_p).value), platform="cpu")
+        refused = None
+    except Exception as err:  # noqa: BLE001 - our own verdict, where there is one, says why
+        refused = err
+    found, _found = _found, None
+    if isinstance(found, DistopError):
+        raise found
+    if refused is not None:
+        raise refused
+    if found is None:
+        raise _unavailable(None, "XLA registered the handler without querying its "
+                                 "metadata, where the check runs")
+    return found
+
+
+def register(call: HostCallable) -> int:
+    """Give `call` (a lean `HostCall`, `FusedCall` or `RolledCall`, when lowered) a
+    unique id for its call site; register the FFI target with XLA on first use (see
+    `_register_target`).
+
+    **Returns:** the id, passed to the target as the `call_id` attribute.
+    """
+    global _registered
+
+    with _lock:
+        if not _registered:
+            _register_target(TARGET)
+            _registered = True
+        call_id = next(_ids)
+        _calls[call_id] = call
+    return call_id
+
+
+def release(calls: Iterable[HostCallable]) -> None:
+    """Forget the call sites of a program that is gone."""
+    with _lock:
+        for call in calls:
+            if call.ffi_id is not None:  # (None: never lowered, so never registered)
+                _calls.pop(call.ffi_id, None)
+                _plans.pop(call.ffi_id, None)
+
+
+# -- the token, threaded through the calls while a program is traced ----------------------
+# Restart the count here: the token counts exactly up to 2**24 in 32-bit mode.
+TOKEN_RESTART = 2 ** 20
+
+
+def token_dtype() -> np.dtype:
+    """The token's dtype: float64, or float32 where JAX is in 32-bit mode (a program
+    takes no float64 input then)."""
+    return np.dtype(np.float64 if x64_enabled() else np.float32)
+
+
+class Session:
+    """Holds the current token while `Problem` traces one program with the lean path."""
+
+    def __init__(self, token: Any) -> None:
+        self.token = token  # (a tracer of the program being traced)
+        self.calls = 0
+        self.trace = current_trace()  # the program's own trace
+
+    def at_top(self) -> bool:
+        """Whether a call bound now belongs to the program itself, where it takes the
+        session's token: not to the body of the model's own loop, branch, checkpoint or
+        inner jit, whose token is threaded after tracing (see `_compiler/stages/nested.py`).
+
+        Transformations (vmap, jvp, linearize) keep a call at the top: their traces
+        lead, parent after parent, to the program's own trace. A body has a trace of
+        its own."""
+        trace = current_trace()
+        while not isinstance(trace, ProgramTrace):
+            trace = getattr(trace, "parent_trace", None)
+            if trace is None:
+                return False
+        return trace is self.trace
+
+
+_state = threading.local()
+
+
+def session() -> Session | None:
+    """**Returns:** the active `Session`, or None outside lean tracing."""
+    return getattr(_state, "session", None)
+
+
+_sessions = itertools.count(1)
+
+
+class tracing:
+    """Context manager: trace a program with the lean path, starting from `token`.
+
+    The session's number is a JAX setting while it lasts (`_compat.lean_session`), so
+    JAX traces the bodies of loops and branches afresh for each session: a body traced
+    once is not reused by another program, or outside a Problem, with its calls."""
+
+    def __init__(self, token: Any) -> None:
+        self.session = Session(token)
+        self.key = lean_session(next(_sessions))
+
+    def __enter__(self) -> Session:
+        self.previous = session()
+        self.key.__enter__()
+        _state.session = self.session
+        return self.session
+
+    def __exit__(self, *exc: object) -> None:
+        _state.session = self.previous
+        self.key.__exit__(*exc)
+
+
+def chained(closed_jaxpr: ClosedJaxpr) -> bool:
+    """Whether the lean calls of a traced program form ONE unbroken token chain.
+
+    The chain starts at the program's first input, passes every lean call in program
+    order (each takes the previous one's token) and ends at the program's last output.
+    A loop, branch or checkpoint with lean calls inside is a link of the chain where the
+    token was threaded through it (see `link`). Then XLA must run the calls one at a
+    time, in that order, and keep every one. Anything else (a loop whose calls the token
+    does not reach, a token that skipped a call) fails.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    token = jaxpr.invars[0]
+    for eqn in jaxpr.eqns:
+        call = eqn.params.get("call")
+        if getattr(call, "lean", False):
+            if eqn.invars[0] is not token:
+                return False
+            token = eqn.outvars[0]
+        elif has_lean(eqn):
+            slots = link(eqn)
+            if slots is None or eqn.invars[slots[0]] is not token:
+                return False
+            token = eqn.outvars[slots[1]]
+    return jaxpr.outvars[-1] is token
+
+
+CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, by version
+
+
+def link(eqn: JaxprEqn) -> tuple[int, int] | None:
+    """Where a loop, branch or checkpoint takes and gives the token once it is threaded
+    through (see `_compiler/stages/nested.py`): the token is its first carried value (a scan, a
+    while loop), its first operand after the index (a branch) or its first argument (a
+    checkpoint), and its first result.
+
+    **Returns:** (argument position, result position), or None for any other equation.
+    """
+    name = eqn.primitive.name
+    if name == "scan":
+        return scan_consts(eqn.params), 0
+    if name == "while":
+        return eqn.params["cond_nconsts"] + eqn.params["body_nconsts"], 0
+    if name == "cond":
+        return 1, 0
+    if name in CHECKPOINTS:
+        return 0, 0
+    return None
+
+
+def has_lean(eqn: JaxprEqn) -> bool:
+    """Whether a lean call sits inside `eqn` (a loop, branch or call of its own)."""
+    return anywhere(inner_eqns(eqn), lambda e: getattr(e.params.get("call"), "lean", False))
+
+
+def anywhere(eqns: Iterable[JaxprEqn], test: Callable[[JaxprEqn], bool]) -> bool:
+    """Whether `test(eqn)` holds for one of `eqns` or an equation inside one of them."""
+    return any(test(e) or anywhere(inner_eqns(e), test) for e in eqns)
+
+
+def inner_eqns(eqn: JaxprEqn) -> Iterator[JaxprEqn]:
+    """The equations of the programs inside `eqn` (a loop's body, a branch's cases)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner: Any = getattr(sub, "jaxpr", sub)  # (a Jaxpr, ClosedJaxpr, or else)
+            if hasattr(inner, "eqns"):
+                yield from inner.eqns

@@ -1,0 +1,490 @@
+"""The host side of an operator call: numpy views in, the user's method, checked numpy out.
+
+One `HostCall` object is what XLA calls back into. It owns everything per call that is
+not JAX: contiguous row-major arrays for user code, the per-row loop or single batched
+call, checks of what user code returns, and failure handling under MPI.
+"""
+
+import functools
+import inspect
+import math
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from typing import Any, Literal, NoReturn
+
+import jax
+import numpy as np
+
+from .._agreement.comm import checker
+from .._config import settings
+from .._diagnostics import profile as _profile
+from .._dtypes import inexact_spec
+from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError, operator_error
+from .._mpi.runtime import abort
+from .._safety import checking as _checking
+from .._safety import watchdog as _watchdog
+from .._safety.guard import GuardedComm
+from .base import HostCallable
+
+Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for every row
+
+# The exception raised inside the last failing callback, so that `Problem` can re-raise
+# it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
+_last_error: BaseException | None = None
+_error_lock = threading.Lock()
+
+
+def _linear_specs(phase: str, in_specs: Sequence[jax.ShapeDtypeStruct],
+                  out_specs: Sequence[jax.ShapeDtypeStruct],
+                  ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The specs of a method's (co)tangent arguments: of the floating-point inputs
+    (`jvp`) or outputs (`vjp`); none for `forward`."""
+    specs = () if phase == "forward" else in_specs if phase == "jvp" else out_specs
+    return tuple(s for s in specs if inexact_spec(s))
+
+
+def rows_of(mask: np.ndarray) -> Rows:
+    """**Returns:** None if every entry of `mask` is true; else its true entries, as a
+    slice where they are contiguous (views, not copies, of the rows), else as indices."""
+    found = mask.nonzero()[0]
+    if len(found) == len(mask):
+        return None
+    if len(found):
+        first, last = int(found[0]), int(found[-1])
+        if last - first + 1 == len(found):
+            return slice(first, last + 1)
+    return found
+
+
+def take_error() -> BaseException | None:
+    """**Returns:** the exception raised by the last failing callback (once), or None."""
+    global _last_error
+    with _error_lock:
+        err, _last_error = _last_error, None
+    return err
+
+
+@functools.cache
+def _method_info(cls: type, phase: str) -> tuple[bool, bool, bool, bool]:
+    """**Returns:** (whether `cls.<phase>` is batched, whether it takes `batched=`,
+    whether it takes `out=`); computed once per class, as tracing meets every call
+    site."""
+    batched = bool(getattr(cls, "batched_" + phase, False))
+    parameters = inspect.signature(getattr(cls, phase)).parameters
+    unbatched = getattr(cls, "unbatched", "broadcast")
+    if unbatched not in ("broadcast", "expand_dims"):
+        raise OperatorError(f"{cls.__name__}.unbatched = {unbatched!r}: expected "
+                            "'broadcast' or 'expand_dims'.")
+    return (batched, batched and "batched" in parameters, "out" in parameters,
+            unbatched == "expand_dims")
+
+
+class HostCall(HostCallable):
+    """One operator method as called from a compiled program.
+
+    **Arguments:**
+    - `op`: the `DistributedOperator`.
+    - `phase`: `"forward"`, `"jvp"` or `"vjp"`.
+    - `comm`: the private communicator handed to user code.
+    - `ordered`: whether the call is ordered (and so may communicate).
+    - `in_specs`, `out_specs`: the operator's unbatched input and output
+      `jax.ShapeDtypeStruct`s.
+    - `levels`: per argument, one bool per batch level (outermost first): whether the
+      argument carries that batch axis; None for no batching.
+    - `batch_shape`: the size of every batch level (outermost first).
+
+    The arguments XLA passes are the inputs (`forward`), or the tangents of the
+    floating-point inputs (`jvp`) or cotangents of the floating-point outputs (`vjp`)
+    followed by the inputs. Integer values have no (co)tangent: user code gets None.
+    """
+
+    def __init__(self, op: Any, phase: str, comm: Any, ordered: bool,
+                 in_specs: Sequence[jax.ShapeDtypeStruct],
+                 out_specs: Sequence[jax.ShapeDtypeStruct],
+                 levels: Sequence[tuple[bool, ...]] | None = None,
+                 batch_shape: tuple[int, ...] = (), lean: bool = False) -> None:
+        self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
+        self.lean = lean
+        self.ffi_id = None  # set when lowered (see _ffi.register)
+        # the traced call this one stands for (see `narrowed`)
+        self.origin: HostCall | None = None
+        self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
+        diff_in = tuple(i for i, s in enumerate(in_specs) if inexact_spec(s))
+        diff_out = tuple(i for i, s in enumerate(out_specs) if inexact_spec(s))
+        self.slots: tuple[int, ...]  # the method's (co)tangent arguments XLA passes
+        self.result_picks: tuple[int, ...] | None  # the method's results XLA receives
+        if phase == "forward":
+            self.slots, self.n_slots, self.result_picks = (), 0, None
+            self.result_specs = self.out_specs
+        elif phase == "jvp":
+            self.slots, self.n_slots, self.result_picks = diff_in, len(in_specs), diff_out
+            self.result_specs = tuple(out_specs[j] for j in diff_out)
+        else:
+            self.slots, self.n_slots, self.result_picks = diff_out, len(out_specs), diff_in
+            self.result_specs = tuple(in_specs[i] for i in diff_in)
+        self.n_linear = len(self.slots)
+        self.arg_specs = _linear_specs(phase, self.in_specs, self.out_specs) + self.in_specs
+        self.batch_shape = tuple(batch_shape)
+        self._shapes: tuple[jax.ShapeDtypeStruct, ...] | None = None
+        self.levels = (levels if levels is not None
+                       else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
+        cls: type = type(op)  # (`type`: mypy finds `type[Any]` unhashable)
+        self.function = getattr(cls, phase)  # class-level: no per-call bound method
+        self.batched, takes_flag, self.takes_out, self.expand_dims = _method_info(cls, phase)
+        # A batched method may take a keyword `batched` to learn whether this call
+        # carries the leading batch axis (it does only when distop batches).
+        self.kwargs: dict[str, Any] = {"batched": bool(batch_shape)} if takes_flag else {}
+        self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
+        # the phase as users know it (an implicit operator's `solve`, say) and its place
+        self.label: str = getattr(cls, "phase_labels", {}).get(phase, phase)
+        self.where = f"{cls.__name__}.{self.label}"
+        self.declared = tuple(getattr(cls, phase + "_collectives", ()))
+        # The method is busy while it runs, but for its waits in MPI (reusable: no state).
+        self._watch = _watchdog.watchdog.busy(
+            self.where, GuardedComm(comm, self.declared, self.where, site=lean))
+        # what the method receives: the communication it declared, no more, watched
+        self.guarded = self._watch.comm
+        self.checker: _checking.Checker | None = None
+        if (settings.check_collectives and comm is not None
+                and comm.Get_size() > 1):
+            self.checker = checker(comm)
+
+    def __repr__(self) -> str:
+        batch = f" batch={list(self.batch_shape)}" if self.batch_shape else ""
+        kind = "lean" if self.lean else "ordered" if self.ordered else "unordered"
+        return f"{self.where}[{kind}{batch}]"
+
+    def shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """**Returns:** the `jax.ShapeDtypeStruct`s of the results XLA receives (batched)."""
+        if self._shapes is None:
+            self._shapes = tuple(jax.ShapeDtypeStruct(self.batch_shape + s.shape, s.dtype)
+                                 for s in self.result_specs)
+        return self._shapes
+
+    def with_phase(self, phase: str,
+                   linear_levels: Sequence[tuple[bool, ...]] | None = None) -> "HostCall":
+        """The same operator call in another phase, at the same batch levels.
+
+        **Arguments:**
+        - `phase`: `"jvp"` or `"vjp"`.
+        - `linear_levels`: the batch levels of the new call's (co)tangent arguments;
+          default: every level.
+        """
+        if linear_levels is None:
+            linear_levels = [(True,) * len(self.batch_shape)] * len(
+                _linear_specs(phase, self.in_specs, self.out_specs))
+        return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
+                        self.batch_shape, lean=self.lean)
+
+    def unleaned(self) -> "HostCall":
+        """**Returns:** this call off the lean path: an ordered `io_callback`."""
+        return HostCall(self.op, self.phase, self.comm, True, self.in_specs,
+                        self.out_specs, self.levels, self.batch_shape)
+
+    def narrowed(self, count: int) -> "HostCall":
+        """**Returns:** this call on `count` rows of its one batch level (a rewritten
+        program passes it only the rows that can be nonzero); its `origin` is this call
+        (the schedule lists it in this call's place)."""
+        call = HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, self.levels, (count,), lean=self.lean)
+        call.origin = self.origin or self
+        return call
+
+    def with_batch(self, in_batched: Sequence[bool], size: int) -> "HostCall":
+        """**Returns:** this call one batch level deeper (a new outermost batch axis of
+        `size`, carried by the arguments flagged in `in_batched`)."""
+        return HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
+                        self.out_specs, tuple((b,) + lv for b, lv in zip(in_batched,
+                                                                         self.levels)),
+                        (size,) + self.batch_shape, lean=self.lean)
+
+    # -- what XLA calls -------------------------------------------------------------
+    def __call__(self, *args: np.ndarray, out: Sequence[np.ndarray] | None = None,
+                 rows: Rows | Literal[False] = False) -> tuple[np.ndarray, ...]:
+        """Run the user method on XLA's arguments.
+
+        **Arguments:**
+        - `args`: the arguments (see the class docstring).
+        - `out`: the buffers the results go to (the lean path: XLA's own, valid during
+          the call), offered to a method that takes `out=`; None if there are none.
+        - `rows`: the batch rows to pass, as agreed by a fused call (None: every row);
+          by default this call decides (`_nonzero_rows`).
+
+        **Returns:** the checked results (possibly `out`'s arrays themselves).
+        """
+        profile = _profile.active  # (None unless profiling: nothing more to do)
+        with self._watch:
+            try:
+                comm: Any = self.guarded if profile is None else profile.started(self)
+                if self.checker is not None:
+                    comm = _checking.CheckedComm(comm, self.checker, self.where)
+                if not self.batch_shape:
+                    results = self._check(self._invoke(args, comm, out), ())
+                else:
+                    if rows is False:
+                        rows = self._nonzero_rows(args)
+                    if rows is not None:
+                        results = self._call_some_rows(args, rows, comm, out)
+                    elif self.batched:
+                        results = self._call_batched(args, comm, out)
+                    else:
+                        results = self._call_rows(args, comm)
+                if self.checker is not None:
+                    self._check_declared(comm.issued)
+                    self.checker.check_same(("finished", self.where))
+                if profile is not None:
+                    profile.ended(self)
+                return results
+            except BaseException as err:  # noqa: BLE001 - every failure must be reported
+                _fail(self, err)
+
+    def _check_declared(self, issued: Sequence[str]) -> None:
+        # mpi4py's lower-case methods are the same collectives on Python objects.
+        declared = {name.lower() for name in self.declared}
+        undeclared = sorted({name for name in issued if name.lower() not in declared})
+        if undeclared:
+            raise OperatorError(self._say(
+                f"issued {undeclared}, not declared in {self.label}_collectives="
+                f"{self.declared}; declare every collective the method issues"))
+
+    # -- helpers --------------------------------------------------------------------
+    def _invoke(self, args: Sequence[np.ndarray], comm: Any,
+                out: Sequence[np.ndarray] | None = None) -> Any:
+        """Call the user method; `out`: XLA's result buffers, offered (`out=`) to a method
+        that takes them: one array, or a tuple in the order the method returns its
+        results (None in a vjp's place for an integer input: it has no cotangent)."""
+        args = [np.asarray(a, order="C") for a in args]
+        if self.takes_out:
+            kwargs = {**self.kwargs, "out": self._user_out(out) if out else None}
+        else:
+            kwargs = self.kwargs
+        if self.phase == "forward" or self.n_slots == self.n_linear == 1:
+            # the inputs, or one (co)tangent (passed as itself) and the inputs
+            return self.function(self.op, comm, *args, **kwargs)
+        linear: list[np.ndarray | None] = [None] * self.n_slots
+        for slot, a in zip(self.slots, args):
+            linear[slot] = a
+        given = tuple(linear) if self.n_slots > 1 else linear[0]
+        return self.function(self.op, comm, given, *args[self.n_linear:], **kwargs)
+
+    def _user_out(self, out: Sequence[np.ndarray]) -> Any:
+        if self.n_user_results == 1 and len(out) == 1:
+            return out[0]
+        every: list[np.ndarray | None] = [None] * self.n_user_results
+        for (k, _, _), buffer in zip(self._expected, out):
+            every[k] = buffer
+        return every[0] if self.n_user_results == 1 else tuple(every)
+
+    @functools.cached_property
+    def skippable(self) -> bool:
+        """Whether zero rows of this call's (co)tangents may be skipped: a `jvp`/`vjp`
+        (linear in them: zero rows give zero results) over one batch level of at least
+        two rows that every (co)tangent carries."""
+        return (self.phase != "forward" and len(self.batch_shape) == 1 and self.n_linear > 0
+                and self.batch_shape[0] > 1
+                and all(lv[0] for lv in self.levels[:self.n_linear]))
+
+    @functools.cached_property
+    def _arg_kinds(self) -> tuple[str, ...]:
+        """Per argument, how a batched call receives it: `"full"` (it carries every
+        batch level), `"expand"` (an input, not a (co)tangent, that carries none, and
+        the method takes it with a batch axis of length 1) or `"broadcast"`. A
+        (co)tangent is always broadcast: the method's results follow its batch axis."""
+        return tuple("full" if all(lv) else "expand" if (self.expand_dims and not any(lv)
+                                                          and i >= self.n_linear)
+                     else "broadcast" for i, lv in enumerate(self.levels))
+
+    def row_mask(self, args: Sequence[np.ndarray]) -> np.ndarray:
+        """**Returns:** per batch row, whether some (co)tangent in `args` is nonzero
+        there, on this rank."""
+        n = self.batch_shape[0]
+        masks = [np.asarray(a).reshape(n, -1).any(axis=1) for a in args[:self.n_linear]]
+        # (numpy's stubs allow a scalar from `any(axis=1)`: never, on a 2-D array)
+        return (masks[0] if len(masks) == 1  # type: ignore[return-value]
+                else np.logical_or.reduce(masks))
+
+    @functools.cached_property
+    def _skips_alone(self) -> bool:
+        """Whether this call decides on its own which rows to skip: where no rank needs
+        to agree on them (a single process, or an operator that declares no
+        collectives). Under MPI a fused call agrees on the rows of several calls with
+        one collective (`FusedCall`); one collective per call costs more than it saves."""
+        several = self.comm is not None and self.comm.Get_size() > 1
+        return self.skippable and not (several and self.declared)
+
+    def _nonzero_rows(self, args: Sequence[np.ndarray]) -> Rows:
+        """The rows of a batch of (co)tangents that are not all zero, so that the method
+        sees only those (with K seeds, an operator that only some outputs depend on
+        gets only their rows).
+
+        **Returns:** the row indices, or None to pass every row.
+        """
+        return rows_of(self.row_mask(args)) if self._skips_alone else None
+
+    def _call_some_rows(self, args: Sequence[np.ndarray], rows: slice | np.ndarray, comm: Any,
+                        out: Sequence[np.ndarray] | None) -> tuple[np.ndarray, ...]:
+        """The method on the batch rows `rows` only; zeros in the other rows. Writes
+        into `out` (XLA's buffers) when given; a batched method that takes `out=` then
+        gets its part of them when the rows are contiguous."""
+        part = [a[rows] if lv[0] else a for a, lv in zip(args, self.levels)]
+        count = rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+        results = out if out is not None else [np.empty(self.batch_shape + s.shape, s.dtype)
+                                               for s in self.result_specs]
+        given = None
+        found: Sequence[np.ndarray | int]
+        if not count:
+            found = [0] * len(results)
+        elif self.batched:
+            if isinstance(rows, slice) and out is not None and self.takes_out:
+                given = [full[rows] for full in results]
+            found = self._call_batched(part, comm, given, batch_shape=(count,))
+        else:
+            found = self._call_rows(part, comm, (count,))
+        for full, some in zip(results, found):
+            if isinstance(rows, slice) and count:
+                if rows.start:
+                    full[:rows.start] = 0
+                if rows.stop < len(full):
+                    full[rows.stop:] = 0
+            else:
+                full[...] = 0
+            if count:
+                full[rows] = some  # (no copy when written in place: the same memory)
+        return tuple(results)
+
+    def _call_rows(self, args: Sequence[np.ndarray], comm: Any,
+                   batch_shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
+        batch_shape = self.batch_shape if batch_shape is None else batch_shape
+        outs = [np.empty(batch_shape + s.shape, s.dtype) for s in self.result_specs]
+        for idx in np.ndindex(*batch_shape):
+            row = [a[tuple(i for i, on in zip(idx, lv) if on)]
+                   for a, lv in zip(args, self.levels)]
+            for out, r in zip(outs, self._check(self._invoke(row, comm), (), idx)):
+                out[idx] = r
+        return tuple(outs)
+
+    def _call_batched(self, args: Sequence[np.ndarray], comm: Any,
+                      out: Sequence[np.ndarray] | None = None,
+                      batch_shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
+        batch_shape = self.batch_shape if batch_shape is None else batch_shape
+        n = math.prod(batch_shape)
+        full = []
+        for a, lv, kind, shape in zip(args, self.levels, self._arg_kinds, self._arg_shapes):
+            if kind == "full":
+                if len(batch_shape) > 1:
+                    a = a.reshape((n,) + shape)
+            elif kind == "expand":
+                a = a.reshape((1,) + shape)
+            else:
+                a = np.asarray(a).reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))
+                                          + shape)
+                a = np.broadcast_to(a, batch_shape + shape).reshape((n,) + shape)
+            full.append(a)
+        if out and len(batch_shape) > 1:
+            out = [o.reshape((n,) + s.shape) for o, s in zip(out, self.result_specs)]
+        results = self._check(self._invoke(full, comm, out), (n,))
+        if len(batch_shape) == 1:
+            return results
+        return tuple(r.reshape(batch_shape + s.shape)
+                     for r, s in zip(results, self.result_specs))
+
+    @functools.cached_property
+    def _arg_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(s.shape for s in self.arg_specs)
+
+    def _check(self, result: Any, batch: tuple[int, ...],
+               row: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
+        n = self.n_user_results
+        if n == 1 and isinstance(result, list):
+            where, what = self._describe(row)
+            raise OperatorError(self._say(
+                f"returned a list{where}; return its one {what} as a numpy array "
+                "(np.asarray(...)), or a tuple of one array"))
+        if not isinstance(result, (tuple, list)):
+            result = (result,) if n == 1 else result
+        if not isinstance(result, (tuple, list)) or len(result) != n:
+            where, what = self._describe(row)
+            got = (f"a {type(result).__name__} of length {len(result)}"
+                   if isinstance(result, (tuple, list)) else type(result).__name__)
+            raise OperatorError(self._say(
+                f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
+                + ("input" if self.phase == "vjp" else "output")))
+        checked = []
+        for k, shape, dtype in self._expected:
+            r = result[k]
+            if type(r) is not np.ndarray or not r.flags.c_contiguous:
+                if r is None:
+                    where, what = self._describe(row)
+                    raise OperatorError(self._say(
+                        f"returned None for {what} {k}{where}; " + (
+                            "return an array" if self.phase == "forward"
+                            else f"return zeros for a zero {what}")))
+                r = np.asarray(r, order="C")
+            if r.shape != batch + shape or r.dtype != dtype:
+                where, what = self._describe(row)
+                raise OperatorError(self._say(
+                    f"returned {what} {k}{where} with shape {r.shape} and dtype "
+                    f"{r.dtype}; expected shape {batch + shape} and dtype {dtype}"
+                    + (" (a leading batch axis, as batched_" + self.phase + " = True)"
+                       if batch else "")))
+            checked.append(r)
+        return tuple(checked)
+
+    @functools.cached_property
+    def _expected(self) -> tuple[tuple[int, tuple[int, ...], np.dtype], ...]:
+        """Per result XLA receives: (its index among the method's results, its
+        unbatched shape, its dtype)."""
+        picks = range(self.n_user_results) if self.result_picks is None else self.result_picks
+        return tuple((k, tuple(s.shape), np.dtype(s.dtype))
+                     for k, s in zip(picks, self.result_specs))
+
+    def _describe(self, row: tuple[int, ...] | None) -> tuple[str, str]:
+        """**Returns:** (where in the batch, what the results are), for messages."""
+        return ("" if row is None else f" (batch row {row})",
+                {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output"))
+
+    def _say(self, text: str) -> str:
+        rank = self.comm.Get_rank() if self.comm is not None else 0
+        return f"{self.where} on rank {rank}: {text}"
+
+
+def _fail(call: HostCall, err: BaseException) -> NoReturn:
+    """Report `err`, raised in `call`, as every rank must learn of it (see the guide's
+    errors section), and raise it."""
+    global _last_error
+    if isinstance(err, MPIUnavailableError):  # (no MPI: a single process)
+        err = MPIUnavailableError(call._say(str(err)))
+        err.__cause__ = sys.exc_info()[1]
+    elif not isinstance(err, (OperatorError, CollectiveMismatchError)):
+        # (a message that cannot be encoded, a lone surrogate in it, say, would fail
+        # again where XLA takes it: shown escaped instead)
+        text = f"raised {type(err).__name__}: {err}"
+        if isinstance(err, ValueError) and "read-only" in str(err):
+            text += (". The arrays a method receives are read-only by design: they are "
+                     "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
+                     "to change it")
+        err = operator_error(call._say(
+            text.encode("utf-8", "backslashreplace").decode("utf-8")), err)
+        err.__cause__ = sys.exc_info()[1]
+    size = call.comm.Get_size() if call.comm is not None else 1
+    if call.checker is not None and not isinstance(err, CollectiveMismatchError):
+        # Checking mode: tell the other ranks (they meet this message at their next
+        # check), so that every rank raises instead of aborting the job. Nothing is
+        # printed: the error reaches the caller with its cause, the method's traceback,
+        # and a caller that catches it sees no output.
+        try:
+            call.checker.check_same(("failed", call.where))
+        except CollectiveMismatchError as mismatch:
+            failed, err = err, CollectiveMismatchError(f"{err}\n{mismatch}")
+            err.__cause__ = failed.__cause__ or failed  # (the method's traceback)
+    elif size > 1 and not isinstance(err, CollectiveMismatchError):
+        # The other ranks may already wait in a collective (this operator's or a later
+        # one) and cannot be told: report where we stand and end the job, never hang.
+        abort(call.comm, f"distop: {err}\n{traceback.format_exc()}"
+                         f"distop: aborting all {size} ranks.")
+    with _error_lock:
+        _last_error = err
+    raise err

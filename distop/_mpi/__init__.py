@@ -1,0 +1,4 @@
+"""MPI itself: starting it and checking the launcher (`runtime`, `launch`), aborting,
+failure notices and exit, and the names of the MPI calls that communicate (`names`).
+
+Imports only `_errors` and `_config` of the package."""

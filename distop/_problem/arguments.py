@@ -1,0 +1,139 @@
+"""The checks of a Problem's arguments, the same for every entry point."""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import inexact_dtype as inexact
+from .inputs import as_input
+
+CACHE_SIZE = 16  # the input shapes a Problem keeps programs for, by default
+
+MODES = ("batched", "loop", "unrolled")
+BACKENDS = ("lean", "io_callback")
+FORMATS = ("global", "local")
+DIRECTIONS = ("rev", "fwd", "auto")  # compute_totals: seeded by `of`, by `wrt`, the fewer
+
+
+def check_arguments(model: Callable, inputs: dict, backend: str, copy: bool | None,
+                    distributed: frozenset) -> tuple:
+    """**Returns:** (the backend, `copy` as a bool or None, the point) after checking
+    `Problem`'s arguments."""
+    if not callable(model):
+        raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
+                        "a function called as model(**inputs) returning a dict.")
+    if not isinstance(inputs, dict) or not inputs:
+        raise TypeError("Problem(inputs=...): expected a non-empty dict of name -> "
+                        f"array; got {type(inputs).__name__}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"Problem(backend={backend!r}): expected one of "
+                         f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
+    if not (copy is None or isinstance(copy, (bool, np.bool_))):
+        raise ValueError(f"Problem(copy={copy!r}): expected True, None or False.")
+    copy = None if copy is None else bool(copy)
+    point = {name: as_input(f"Problem(inputs={{'{name}': ...}})", value, copy)
+             for name, value in inputs.items()}
+    for name in distributed & set(point):
+        if point[name].ndim == 0:
+            raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is "
+                             "0-d; a distributed value needs an axis 0 to split.")
+    return backend, copy, point
+
+
+def cache_size() -> int:
+    """**Returns:** how many layouts a Problem keeps (env `DISTOP_CACHE_SIZE`, at least
+    one; default `CACHE_SIZE`)."""
+    text = os.environ.get("DISTOP_CACHE_SIZE", "").strip()
+    if not text:
+        return CACHE_SIZE
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"DISTOP_CACHE_SIZE={text!r}: expected a whole number of input "
+                         "shapes, at least 1.")
+    return size
+
+
+def check_names(method: str, arg: str, names: Any, known: tuple,
+                differentiable: tuple) -> tuple:
+    """**Returns:** the names an `of` or `wrt` argument asks for, checked.
+
+    **Arguments:**
+    - `method`, `arg`: the call and its argument, for messages.
+    - `names`: what was passed: None (every differentiable name), a name, or several.
+    - `known`: every output (for `of`) or input (for `wrt`).
+    - `differentiable`: those of them with derivatives.
+    """
+    if names is None:
+        return differentiable
+    names = ([names] if isinstance(names, str) else sorted(names)
+             if isinstance(names, (set, frozenset)) else list(names))
+    kind = "output" if arg == "of" else "input"
+    for n in names:
+        if n not in known:
+            raise ValueError(f"{method}({arg}={names!r}): no {kind} named {n!r}; "
+                             f"{kind}s are {list(known)}.")
+        if n not in differentiable:
+            raise ValueError(f"{method}({arg}={names!r}): {kind} {n!r} is not "
+                             "floating point, so it has no derivative.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{method}({arg}={names!r}): {kind}s {twice} are named more "
+                         f"than once; name each {kind} once.")
+    return tuple(names)
+
+
+def _same_dtype(where: str, name: str, new: np.ndarray, value: Any, old: np.ndarray,
+                copy: bool | None) -> np.ndarray:
+    """**Returns:** `new`, the input `name` a call passes, where its dtype is that of
+    the current point's `old` or `old` is not differentiable; a number or list made in
+    `old`'s dtype where it casts safely.
+
+    **Raises:** TypeError for an array of another dtype: it would trace the model again
+    at another precision or kind, where its derivatives may not exist.
+    """
+    if new.dtype == old.dtype or not inexact(old.dtype):
+        return new
+    if not hasattr(value, "dtype") and np.can_cast(new.dtype, old.dtype, "same_kind"):
+        return as_input(where, np.asarray(value, old.dtype), copy)
+    raise TypeError(f"{where}: input {name!r} is {old.dtype} at this Problem's point, "
+                    f"and the array passed is {new.dtype}. A differentiable input keeps its "
+                    f"dtype on every call. Pass `{name}.astype(numpy.{old.dtype})`, or make "
+                    "a new Problem for the other dtype.")
+
+
+def moved(method: str, inputs: Any, current: dict, copy: bool | None,
+          keywords: bool = True) -> tuple[dict, BaseException | None]:
+    """The point a call asks for: the current one with `inputs` in it.
+
+    **Arguments:**
+    - `method`: the call, for messages.
+    - `inputs`: name -> array, the inputs to change.
+    - `current`: the current point.
+    - `copy`: the Problem's `copy` option.
+    - `keywords`: whether the method takes them as keywords (`run(x=...)`) or as a dict
+      (`inputs={'x': ...}`), for the messages.
+
+    **Returns:** (the point, None), or (the current point, the error) where this rank
+    refuses them: the call's agreement then raises it on every rank.
+    """
+    try:
+        if not isinstance(inputs, dict):
+            raise TypeError(f"{method}(inputs=...): expected a dict of name -> array; "
+                            f"got a {type(inputs).__name__}.")
+        point = dict(current)
+        for name, value in inputs.items():
+            where = (f"{method}({name}=...)" if keywords
+                     else f"{method}(inputs={{'{name}': ...}})")
+            if name not in point:
+                raise ValueError(f"{where}: no input named '{name}'; "
+                                 f"inputs are {list(current)}.")
+            point[name] = _same_dtype(where, name, as_input(where, value, copy), value,
+                                      current[name], copy)
+    except (TypeError, ValueError) as err:
+        return current, err
+    return point, None

@@ -1,0 +1,103 @@
+"""Running a program: the token, the count of host calls, errors, and the results."""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._agreement.coordinator import Coordinator, offered, withdraw
+from .._compat import JaxRuntimeError
+from .._compiler.packing import unpack
+from .._compiler.programs import Program
+from .._diagnostics import profile as _profile
+from .._errors import DistopError
+from .._hostcalls import ffi as _ffi
+from .._hostcalls.host import take_error
+from .._safety import watchdog as _watchdog
+from .inputs import DeviceCache
+
+# One program at a time in this process: the agreement offered to a program's first
+# host call and the error a host call leaves are the process's, not a Problem's.
+_RUNNING = threading.RLock()
+
+
+class Executor:
+    """Runs one Problem's programs, one at a time, on its token chain.
+
+    **Arguments:**
+    - `coordinator`: the `Coordinator` of the Problem's ranks.
+    """
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.token = jnp.zeros((), _ffi.token_dtype())
+        self.calls = 0.0  # the token's value: lean host calls run so far
+        self.on_device = DeviceCache()
+
+    def __call__(self, program: Program, point: dict) -> dict:
+        """Run `program` at `point`.
+
+        **Returns:** its results, unpacked (name -> read-only numpy view).
+
+        **Raises:** the error of a host call as the method raised it; `Missed` where the
+        ranks turn out to disagree on the call.
+        """
+        with _RUNNING:
+            try:
+                return self._run(program, point)
+            except (JaxRuntimeError, ValueError) as err:
+                # A host call's error: JAX raises ValueError where its C++ dispatch runs
+                # the program (as of jax 0.10.2), else JaxRuntimeError; with its text.
+                cause = take_error()
+                if isinstance(err, ValueError) and str(cause) not in str(err):
+                    cause = None  # a ValueError of its own
+                if cause is not None:
+                    # (JAX's error hidden; the method's own traceback kept as the cause)
+                    raise cause from cause.__cause__
+                raise
+
+    def _run(self, program: Program, point: dict) -> dict:
+        """`__call__` without the translation of host calls' errors."""
+        coordinator = self.coordinator
+        profile = _profile.active
+        if profile is not None:
+            profile.program_started(program.entry)
+        coordinator.offer(program.makes_agreement)
+        try:
+            *packed, token = program.fn(self.token, self.on_device(point), *program.extra)
+            if offered() is not None:
+                # Not made yet: with JAX's async dispatch the program may still run
+                # on an XLA thread, and its first host call must find the agreement.
+                token.block_until_ready()
+        finally:
+            withdraw()
+        values = unpack(packed, program.plan)
+        # Kept only once the program has ended well: with JAX's async dispatch a host
+        # call's error arrives here, in the token too, and every later program would
+        # fail with it. (float() of a JAX array costs more than through numpy.)
+        count = float(np.asarray(token))
+        if profile is not None:  # (the program has finished: its token is read)
+            profile.program_ended(program.entry)
+        self.token = token
+        if program.calls != 0:
+            self._count(program, count)
+        coordinator.after_running()
+        if program.checker is not None:
+            # A rank whose program skipped a collective (rank-dependent control flow)
+            # meets the others' next collective here, and every rank raises.
+            with _watchdog.watchdog.watch("Problem: end of program"):
+                program.checker.check_same(("end of program",))
+        return values
+
+    def _count(self, program: Program, count: float) -> None:
+        """Check that the token grew by the program's number of host calls, where it is
+        known before the run."""
+        calls, self.calls = self.calls, count
+        if program.calls is not None and self.calls - calls != program.calls:
+            raise DistopError(
+                f"rank {self.coordinator.comm.Get_rank()}: the program made "
+                f"{self.calls - calls} host calls instead of {program.calls}; "
+                "please report this as a bug of distop, with your jax version. "
+                "Problem(..., backend='io_callback') avoids the lean path.")
+        if self.calls >= _ffi.TOKEN_RESTART:
+            self.token, self.calls = jnp.zeros((), self.token.dtype), 0

@@ -1,0 +1,497 @@
+"""`Problem`: trace a model of jax.numpy and operators into checked, jitted entry points.
+
+`Problem` is a facade: it checks arguments and runs the steps of each entry point,
+whose work lives in modules of one concern each (see docs/architecture.md).
+"""
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+
+from .._agreement import comm as _comm
+from .._agreement.coordinator import Coordinator, Failure, stable_hash
+from .._compiler.layout import Layout
+from .._compiler.programs import Program, Programs
+from .._compiler.schedule import ScheduleEntry
+from .._compiler.tracing import FDOptions, TotalsOptions
+from .._config import env_flag
+from .._diagnostics import profile as _profile
+from .._errors import DistopError, MissingMethodError, OrderedEffectError, SecondDerivativeError
+from .._totals import assembly as _assembly
+from .._totals import totals as _totals
+from .arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
+from .execution import Executor
+from .inputs import empty
+
+__all__ = ["MODES", "Problem", "empty"]
+
+Names = str | Iterable[str] | None  # what `of` and `wrt` take
+
+
+Arguments = ParamSpec("Arguments")
+Result = TypeVar("Result")
+
+
+def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
+                   ) -> Callable[Concatenate["Problem", Arguments], Result]:
+    """`method` under its Problem's lock: threads calling one Problem take turns, each
+    call whole (its agreement, programs, point and token are the Problem's own). A
+    Problem whose communicator was freed raises a `DistopError` saying so."""
+    @functools.wraps(method)
+    def locked(self: "Problem", *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
+        with self._lock:
+            _comm.check_live(self.comm)  # (freed with the user's: a DistopError, alike)
+            profile = _profile.active
+            if profile is None:
+                return method(self, *args, **kwargs)
+            profile.entered()  # (the time between entries is the caller's own)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                profile.left(method.__name__)
+    return locked
+
+
+class Problem:
+    """A model compiled into jitted programs whose collectives run in one order everywhere.
+
+    Every rank makes the Problem and calls its methods in the same order: each call is
+    collective.
+
+    **Arguments:**
+    - `model`: called as `model(**inputs)`; returns a dict of named outputs, computed
+      with jax.numpy and operator calls.
+    - `inputs`: dict of name -> array, the starting point.
+    - `comm`: the MPI communicator the model runs on (default `MPI.COMM_WORLD`); distop
+      uses a private duplicate for its own agreement and checks.
+    - `distributed`: names of inputs and outputs that are distributed: each rank holds
+      its own block along axis 0 (sizes may differ, and be zero). Everything else is
+      replicated (the same on every rank).
+    - `check_replicated`: if True, every `run` checks that replicated inputs and outputs
+      are equal on all ranks and raises on every rank if not.
+    - `backend`: how operators are called from the programs: `"lean"` (default; an XLA
+      FFI call ordered by a token chain; programs where the chain cannot be proven fall
+      back to `"io_callback"`) or `"io_callback"` (JAX's ordered `io_callback`). Default
+      from `DISTOP_BACKEND`.
+    - `fuse`: on the lean path, run neighbouring operator calls that one host call can
+      run in ONE host call, in schedule order: the same calls, collectives and results,
+      fewer dispatches (`schedule` shows the groups). Under MPI a fused group of
+      derivative calls of communicating operators whose zero (co)tangent rows are found
+      only when the program runs agrees on them with one collective of its own and skips
+      them; unfused calls get every row. Default True, or `DISTOP_FUSE=0`.
+    - `copy`: whether distop copies numpy array inputs, here and in `run` and
+      `run_and_compute_totals`. True (default): it keeps its own copy of each, so
+      changing the caller's array later changes nothing here. None: an array XLA can
+      read in place (C-contiguous, in the machine's byte order, 64-byte aligned, as
+      `distop.empty` makes them) is shared, not copied; the caller must then not change
+      it while this Problem may read it. False: as None, but an array that needs a copy
+      is a `ValueError`. JAX arrays are always shared, and numbers and lists always
+      converted.
+
+    **Returns:** the Problem. Its attributes: `schedule`, `input_names`, `output_names`,
+    `distributed`, and the configuration it was made with, read-only: `model`,
+    `backend`, `fuse`, `copy`.
+
+    **Raises:** `TypeError` for a model that is not callable or inputs that are not a
+    non-empty dict; `ValueError` for an unknown `backend`, `copy` or name in
+    `distributed`; `TypeError` for a float64 input in JAX's 32-bit mode. An argument
+    refused on some ranks raises its own `TypeError` or `ValueError` there, and a
+    `DistopError` naming it on the others; ranks that call with different arguments get
+    a `DistopError` on every rank. `ScheduleMismatchError` on every rank where the
+    ranks' programs differ.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(x ** 2)}, {"x": np.arange(3.0)})
+    assert problem.run()["f"] == 5.0
+    assert problem.compute_totals()["f", "x"].tolist() == [[0.0, 2.0, 4.0]]
+    ```
+    """
+
+    def __init__(self, model: Callable[..., dict[str, Any]], inputs: dict[str, Any], *,
+                 comm: Any = None, distributed: str | Iterable[str] = (),
+                 check_replicated: bool = False, backend: str | None = None,
+                 fuse: bool | None = None, copy: bool | None = True) -> None:
+        self.comm = _comm.private(comm)
+        self._model = model
+        self.distributed = frozenset([distributed] if isinstance(distributed, str)
+                                     else distributed)
+        self.check_replicated = check_replicated
+        self._coordinator = Coordinator(self.comm, self.distributed)
+        self._lock = threading.RLock()  # (see `_one_at_a_time`)
+        fused = bool(env_flag("DISTOP_FUSE", True) if fuse is None else fuse)
+        # arguments refused on some ranks raise on every rank; every agreement on this
+        # communicator sends rows of one width, the most any rank's Problem sends,
+        # whichever Problem the call is of (see `CallAgreement`)
+        self._backend, self._copy, self._point, size = self._coordinator.collective_step(
+            "Problem: checking its arguments",
+            lambda: (*check_arguments(model, inputs, backend or os.environ.get(
+                "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()))
+        # the widest agreement row of every rank, and whether all name the same
+        # distributed values: one reduction of a fixed size
+        names = sorted(self.distributed)
+        named = stable_hash(names)
+        top = self._coordinator.most(np.array(
+            [2 + sum(k in self.distributed for k in self._point), named, -named], np.int64))
+        if top[1] != -top[2]:
+            every = self.comm.allgather(names)
+            raise DistopError(
+                "Problem(distributed=...): the ranks named different distributed values:\n"
+                + "\n".join(f"  rank {r}: {names}" for r, names in enumerate(every))
+                + "\nName the same inputs and outputs on every rank.")
+        self._coordinator.widen([int(top[0])])
+        self._fuse = fused
+        self.input_names = tuple(self._point)
+        self._programs = Programs(model, self._coordinator, self.backend, self.fuse, size)
+        self._executor = Executor(self._coordinator)
+        # (the options that shape the programs are part of the first request)
+        layout = self._programs.layout(self._point, ("Problem", f"backend={self.backend}",
+                                                     f"fuse={self.fuse}", f"cache={size}"))
+        self.output_names = tuple(layout.outputs)
+        unknown = self.distributed - set(self.input_names) - set(self.output_names)
+        if unknown:
+            raise ValueError(f"Problem(distributed={sorted(self.distributed)}): no input or "
+                             f"output named {sorted(unknown)}; inputs are "
+                             f"{list(self.input_names)}, outputs {list(self.output_names)}.")
+        schedule = None
+        differentiable = layout.differentiable
+        if differentiable["outputs"] and differentiable["inputs"]:
+            try:
+                schedule = self._programs.program(
+                    "compute_totals", TotalsOptions("batched", differentiable["outputs"],
+                                                    differentiable["inputs"]),
+                    layout).schedule
+            except Exception as err:  # left for later or raised, on every rank
+                if not self._coordinator.go_on_without(_failure(err)):
+                    raise
+        if schedule is None:  # (or nothing to differentiate)
+            schedule = self._programs.program("run", (), layout).schedule
+        self._schedule: tuple[ScheduleEntry, ...] = schedule
+
+    # -- configuration, fixed at construction ---------------------------------------
+    @property
+    def model(self) -> Callable[..., dict[str, Any]]:
+        """The model function this Problem traces."""
+        return self._model
+
+    @property
+    def backend(self) -> str:
+        """How operators are called from the programs: `"lean"` or `"io_callback"`."""
+        return self._backend
+
+    @property
+    def fuse(self) -> bool:
+        """Whether neighbouring operator calls on the lean path run in one host call."""
+        return self._fuse
+
+    @property
+    def copy(self) -> bool | None:
+        """Whether distop copies numpy array inputs: True, None or False (see `Problem`)."""
+        return self._copy
+
+    # -- public entry points --------------------------------------------------------
+    @property
+    def schedule(self) -> tuple[ScheduleEntry, ...]:
+        """The operator calls of the default `compute_totals` program, in program order.
+
+        It lists the `run` program's calls where there is no `compute_totals` program:
+        an operator has no `vjp`, or JAX cannot differentiate the model.
+        Reading it never communicates, so any subset of ranks may do so.
+
+        **Returns:** a tuple of `ScheduleEntry`.
+        """
+        return self._schedule
+
+    def profile(self) -> _profile.Profile:
+        """Record where each rank's time goes while the returned profile is active.
+
+        Use it as `with problem.profile() as prof:`.
+        Entering it is collective: one barrier, so that every rank's clock starts
+        together.
+        While it is active every host call records its method's time outside MPI calls
+        (compute) and inside them (wait: for peers, and the transfer).
+        Every program run records its wall time once finished; the rest is JAX's time
+        between host calls.
+        Then, collectively: `prof.report()` (a `Report`), `prof.print_report()` (its
+        table, on rank 0), `prof.write_trace(path)` (Chrome trace-event JSON, for
+        Perfetto) and `prof.plot(path)` (a PNG; needs `distop[plot]`).
+        Off, profiling costs nothing.
+
+        **Returns:** the `Profile` (not yet active).
+        """
+        return _profile.Profile(self.comm)
+
+    @_one_at_a_time
+    def run(self, **inputs: Any) -> dict[str, np.ndarray]:
+        """Evaluate the model at `inputs`; the other inputs keep their current values.
+
+        **Arguments:**
+        - `inputs`: name=array for the inputs to change (this rank's block for
+          distributed inputs).
+
+        **Returns:** dict of output name -> numpy array (this rank's block for
+        distributed outputs). The arrays are read-only views of the program's results,
+        like JAX's own arrays (`.copy()` one to change it). The evaluated point becomes
+        the current point; distop keeps its own copy of numpy inputs unless
+        `Problem(copy=...)` says otherwise.
+
+        **Raises:** `ValueError` for an unknown input name; `TypeError` for an array
+        whose dtype differs from a differentiable input's. An argument refused on some
+        ranks raises its own `TypeError` or `ValueError` there, and a `DistopError`
+        naming it on the others; ranks that call with different arguments get a
+        `DistopError` on every rank. `DistopError` on every rank where
+        `check_replicated` finds replicated values that differ.
+        """
+        point, refused = moved("run", inputs, self._point, self.copy)
+        outs = self._coordinator.retry_if_missed(lambda: self._executor(self._programs.program(
+            "run", (), self._programs.layout(point, ("run",), refused, may_defer=True,
+                                             current=self._point)), point))
+        if self.check_replicated:
+            _totals.check_replicated(self.comm, self.distributed, {**point, **outs}, "run")
+        self._point = point
+        return outs
+
+    @_one_at_a_time
+    def compute_totals(self, of: Names = None, wrt: Names = None, *, mode: str = "batched",
+                       return_format: str = "global",
+                       direction: str = "rev") -> dict[tuple[str, str], np.ndarray]:
+        """Total derivatives of outputs with respect to inputs, at the current point.
+
+        **Arguments:**
+        - `of`: output name(s); None means every floating-point output.
+        - `wrt`: input name(s); None means every floating-point input.
+        - `mode`: `"batched"` (every seed in one vmapped reverse sweep: one callback per
+          operator), `"loop"` (one sweep per seed inside a `lax.scan`) or `"unrolled"`
+          (one independent sweep per seed, unrolled in the program).
+        - `return_format`: `"global"` (every rank gets the whole Jacobian of the global
+          vectors) or `"local"` (no gathering: this rank's rows of distributed `of`, all
+          rows of replicated `of`; this rank's columns of distributed `wrt`).
+        - `direction`: `"rev"` (reverse sweeps, one per global entry of `of`), `"fwd"`
+          (forward sweeps, one per global entry of `wrt`: every operator on the path
+          needs a `jvp`) or `"auto"` (the direction with fewer sweeps; reverse on a
+          tie). Every rank runs every sweep, as in reverse.
+
+        **Returns:** dict of `(of, wrt)` -> numpy array of shape (of size, wrt size),
+        identical on every rank for the global format. The arrays are views of the
+        program's result, read-only like `run`'s values where no gathering copied them
+        (`.copy()` one to change it). For a complex output, in JAX's convention: the
+        derivatives of its real part, along a complex input z = x + iy as d/dx - i d/dy
+        (a holomorphic function's complex derivative); take `jnp.real` and `jnp.imag` of
+        it as two outputs for both parts.
+
+        **Raises:** `ValueError` for an unknown name in `of` or `wrt`, or an unknown
+        `mode`, `return_format` or `direction`. An argument refused on some ranks raises
+        its own error there, and a `DistopError` naming it on the others; ranks that
+        call with different arguments get a `DistopError` on every rank. A
+        `DistopError` on every rank where the derivatives with respect to a replicated
+        input differ between ranks (it is used in rank-dependent computation without
+        `RankLocal`). `MissingMethodError` naming an operator without the `vjp` (or,
+        forward, the `jvp`) the sweeps need. `SecondDerivativeError` where the model
+        itself differentiates through an operator.
+        """
+        return self._compute_totals(of, wrt, mode=mode, return_format=return_format,
+                            direction=direction)
+
+    def _compute_totals(self, of: Names, wrt: Names, *, mode: str = "batched",
+                        return_format: str = "global", direction: str = "rev",
+                        check_ranks: bool = True) -> dict[tuple[str, str], np.ndarray]:
+        """`compute_totals`; `check_ranks=False` leaves out the check that the blocks of
+        replicated inputs are the same on every rank (`check_totals` reports ranks that
+        differ in its own way)."""
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
+                               Program | None, dict[str, Any] | None]:
+            layout, names, ins, way = self._totals_request(
+                "compute_totals", self._point, of, wrt, mode, return_format, direction)
+            if not names or not ins:
+                return layout, names, ins, way, None, None
+            program = self._programs.program(
+                "compute_totals", TotalsOptions(mode, names, ins, False, way), layout)
+            return layout, names, ins, way, program, self._executor(program, self._point)
+
+        layout, names, ins, way, program, cts = self._coordinator.retry_if_missed(attempt)
+        if program is None or cts is None:
+            return {}
+        check = check_ranks and _assembly.unchecked(program, return_format)
+        totals = _assembly.assembled(self.comm, layout, cts, names, ins, return_format,
+                                     way, check)
+        if check_ranks:
+            program.totals_checked.add(return_format)
+        return totals
+
+    @_one_at_a_time
+    def run_and_compute_totals(
+            self, of: Names = None, wrt: Names = None, *, inputs: dict[str, Any] | None = None,
+            mode: str = "batched", return_format: str = "global", direction: str = "rev",
+    ) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
+        """`run` and then `compute_totals`, in one program.
+
+        It gives the values and the total derivatives at one point, with one dispatch
+        and one agreement across ranks where the two calls make two.
+        Each forward call is made once: the values and the reverse sweep share it.
+
+        **Arguments:**
+        - `of`, `wrt`, `mode`, `return_format`, `direction`: as for `compute_totals`.
+        - `inputs`: dict of name -> array, the inputs to change first, as for
+          `run(**inputs)`; None: the current point.
+
+        **Returns:** `(values, totals)`: what `run` and `compute_totals` return, the
+        totals to round-off (XLA compiles the reverse sweep beside the values, and may
+        order its arithmetic otherwise). The evaluated point becomes the current point.
+
+        **Raises:** what `run` and `compute_totals` raise.
+        """
+        point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
+                               self._point, self.copy, keywords=False)
+
+        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program,
+                               dict[Any, Any]]:
+            layout, names, ins, way = self._totals_request(
+                "run_and_compute_totals", point, of, wrt, mode, return_format, direction,
+                refused)
+            if not names or not ins:  # nothing to differentiate: `run`'s program
+                program = self._programs.program("run", (), layout)
+            else:
+                program = self._programs.program(
+                    "compute_totals", TotalsOptions(mode, names, ins, True, way), layout)
+            return layout, names, ins, way, program, self._executor(program, point)
+
+        layout, names, ins, way, program, out = self._coordinator.retry_if_missed(attempt)
+        if names and ins:
+            values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
+            swept = names if way == "fwd" else ins
+            totals = _assembly.assembled(self.comm, layout, {k: out["total", k] for k in swept},
+                                         names, ins, return_format, way,
+                                         _assembly.unchecked(program, return_format))
+            program.totals_checked.add(return_format)
+        else:
+            values, totals = out, {}
+        if self.check_replicated:
+            _totals.check_replicated(self.comm, self.distributed, {**point, **values},
+                                     "run_and_compute_totals")
+        self._point = point
+        return values, totals
+
+    @_one_at_a_time
+    def check_totals(self, of: Names = None, wrt: Names = None, *, method: str = "fd",
+                     form: str = "central", step: float = 1e-6, atol: float = 1e-8,
+                     rtol: float = 1e-6, out_stream: Any = _totals.STDOUT,
+                     raise_on_error: bool = False, show_only_incorrect: bool = False,
+                     progress: bool = True,
+                     ) -> dict[tuple[str, str], _totals.TotalsCheck]:
+        """Compare `compute_totals` with finite differences, on every rank.
+
+        A block fails where |J - J_fd| > atol + rtol * |J_fd| + e_fd at some entry, e_fd
+        being the error J_fd carries itself (its rounding and truncation, estimated from
+        evaluations at the step and twice the step), or where ranks disagree on J.
+        Perturbations run as one batched program call.
+        It first checks that replicated inputs and outputs agree across ranks.
+
+        **Arguments:**
+        - `of`, `wrt`: as for `compute_totals`.
+        - `method`: `"fd"` (finite differences) or `"cs"` (complex step: the imaginary
+          part of f(x + i h) / h, free of rounding in the difference; real inputs and
+          outputs, and every operator given complex values declares `complex_step`).
+        - `form`: `"central"`, `"forward"` or `"backward"` (finite differences).
+        - `step`: the step.
+        - `atol`, `rtol`: the tolerances.
+        - `out_stream`: where rank 0 prints the table: by default `sys.stdout` as it is
+          at the call (redirected or captured, say); None prints nothing.
+        - `raise_on_error`: raise `DerivativeCheckError` on every rank if a block fails.
+        - `show_only_incorrect`: print only failing blocks.
+        - `progress`: where the check runs longer than a few seconds, show its progress
+          on rank 0's `out_stream` (a bar on a terminal, else a line every few
+          seconds); False shows none.
+
+        **Returns:** dict of `(of, wrt)` -> `TotalsCheck` with `J`, `J_fd`, `abs_error`,
+        `rel_error`, `ok`, `inconsistent_ranks`, `worst`, `allowed` and `fd_error`.
+
+        **Raises:** `DerivativeCheckError` on every rank if `raise_on_error` and a block
+        fails; `ValueError` for another `method` or `form`, or a bad `step`, `atol` or
+        `rtol`; `DistopError` on every rank where replicated values differ between
+        ranks; what `compute_totals` raises.
+        """
+        # the arguments are checked once the ranks agree on them: an error on every rank
+        key = _totals.request_key
+        point = self._point
+        layout = self._programs.layout(point, (
+            "check_totals", key(of, names=True), key(wrt, names=True), key(method),
+            key(form), key(step), key(atol), key(rtol)))
+        step, atol, rtol = _totals.check_options(method, form, step, atol, rtol)
+        of = check_names("check_totals", "of", of, self.output_names,
+                         layout.differentiable["outputs"])
+        wrt = check_names("check_totals", "wrt", wrt, self.input_names,
+                          layout.differentiable["inputs"])
+        if method == "cs":
+            _totals.check_complex_step(layout, of, wrt)
+
+        def perturbed(options: FDOptions, deltas: dict[str, np.ndarray]) -> dict[str, Any]:
+            program = self._programs.program("fd", options, layout,
+                                             make_extra=lambda: (deltas,))
+            return self._executor(program, point)
+
+        evaluations = _totals.Evaluations(
+            self.comm, self.distributed, layout, point, self.run,
+            functools.partial(self._compute_totals, check_ranks=False), perturbed)
+        return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
+                                    atol=atol, rtol=rtol, out_stream=out_stream,
+                                    raise_on_error=raise_on_error,
+                                    show_only_incorrect=show_only_incorrect,
+                                    progress=progress)
+
+
+    def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,
+                        return_format: str, direction: str,
+                        refused: BaseException | None = None,
+                        ) -> tuple[Layout, tuple[str, ...], tuple[str, ...], str]:
+        """Agree on a request for totals at `point` and check its arguments.
+
+        **Returns:** (the `Layout`, the `of` names, the `wrt` names, the direction of
+        the sweeps: `"rev"` or `"fwd"`)."""
+        key = _totals.request_key
+        request = (method, key(of, names=True), key(wrt, names=True), key(mode),
+                   key(return_format), key(direction))
+        layout = self._programs.layout(point, request, refused, may_defer=True,
+                                       current=self._point)
+        of = check_names(method, "of", of, self.output_names,
+                         layout.differentiable["outputs"])
+        wrt = check_names(method, "wrt", wrt, self.input_names,
+                          layout.differentiable["inputs"])
+        if mode not in MODES:
+            raise ValueError(f"{method}(mode={mode!r}): expected one of {list(MODES)}.")
+        if return_format not in FORMATS:
+            raise ValueError(f"{method}(return_format={return_format!r}): expected one of "
+                             f"{list(FORMATS)}.")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"{method}(direction={direction!r}): expected one of "
+                             f"{list(DIRECTIONS)}.")
+        if direction == "auto":  # (the same on every rank: the layout is)
+            rows = sum(layout.global_size(o) for o in of)
+            columns = sum(layout.global_size(w) for w in wrt)
+            direction = "fwd" if columns < rows else "rev"
+        return layout, of, wrt, direction
+
+
+def _failure(err: BaseException) -> Failure:
+    """This rank's view of a `compute_totals` program that failed as a Problem was made:
+    `LEFT_FOR_LATER` where the model can still run (an operator has no vjp, the model
+    itself differentiates an operator, or JAX cannot differentiate it: a while_loop, say)
+    and `compute_totals` raises the error when called; `ON_OTHER_RANKS` where it failed
+    because another rank did; else `RAISE_NOW`. The ranks decide together
+    (`Coordinator.go_on_without`)."""
+    if isinstance(err, (MissingMethodError, SecondDerivativeError,
+                        OrderedEffectError)) or type(err) in (
+            ValueError, TypeError, NotImplementedError):
+        return Failure.LEFT_FOR_LATER
+    if getattr(err, "elsewhere", False):
+        return Failure.ON_OTHER_RANKS
+    return Failure.RAISE_NOW

@@ -1,0 +1,511 @@
+"""Finite-difference checks of totals, and the cross-rank consistency checks they rely
+on."""
+
+import dataclasses
+import hashlib
+import math
+import numbers
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._compiler.layout import Layout
+from .._compiler.tracing import FDOptions
+from .._diagnostics import progress as _progress
+from .._errors import DerivativeCheckError, DistopError
+from .._mpi.runtime import world
+from .assembly import Blocks, flat_counts, gather_columns, gather_rows
+from .differences import (
+    FORMS,
+    METHODS,
+    Estimate,
+    better_step,
+    estimate,
+    judge,
+    multiples,
+    needs_base,
+    terms_rounding,
+)
+
+Say = Callable[[str], None]  # prints a line (on rank 0), or nothing
+
+
+
+@dataclasses.dataclass
+class TotalsCheck:
+    """The result of checking one `(of, wrt)` block with `check_totals`.
+
+    An entry fails where |J - J_fd| > atol + rtol |J_fd| + e_fd, e_fd being the error
+    the finite-difference estimate J_fd carries itself (see `fd_error`).
+
+    **Arguments:**
+    - `J`: the block from `compute_totals`.
+    - `J_fd`: the block from finite differences or the complex step.
+    - `abs_error`, `rel_error`: |J - J_fd| and |J - J_fd| / |J_fd| at the worst entry.
+    - `ok`: whether every entry is within its allowance, on every rank, and the ranks
+      agree.
+    - `inconsistent_ranks`: the ranks whose J or J_fd differ from the majority's.
+    - `worst`: the (row, column) whose error is the largest share of its allowance;
+      None for an empty block.
+    - `allowed`: that entry's allowance; the block passes where `abs_error <= allowed`.
+    - `fd_error`: e_fd per entry: its rounding, from the values' magnitude and
+      precision, plus its truncation, from estimates at the step and twice the step.
+    """
+
+    J: np.ndarray
+    J_fd: np.ndarray
+    abs_error: float
+    rel_error: float
+    ok: bool
+    inconsistent_ranks: list[int]
+    worst: tuple[int, int] | None = None
+    allowed: float = 0.0
+    fd_error: np.ndarray | None = None
+
+
+def _canonical(array: Any) -> np.ndarray:
+    """`array` with every NaN made one NaN and every negative zero a zero: values that
+    compare equal then have equal bytes."""
+    a = np.asarray(array)
+    if a.dtype.kind == "c":
+        return _canonical(a.real) + 1j * _canonical(a.imag)
+    if a.dtype.kind != "f":
+        return a
+    return np.where(np.isnan(a), np.nan, a + 0.0)  # (-0.0 + 0.0 is 0.0)
+
+
+def _digest(array: Any) -> str:
+    """A short hash of `array`'s values and shape, equal for arrays of equal values."""
+    a = np.ascontiguousarray(_canonical(array))
+    return hashlib.sha256(a.tobytes() + str(a.shape).encode()).hexdigest()[:16]
+
+
+def _difference(mine: Any, ref: Any) -> str | None:
+    """**Returns:** how `mine` differs from `ref` in words, or None where their values
+    are equal (NaN equal to NaN, 0.0 to -0.0)."""
+    mine, ref = np.asarray(mine), np.asarray(ref)
+    if mine.shape != ref.shape:
+        return f"has shape {mine.shape}, rank 0 {ref.shape}"
+    if mine.dtype != ref.dtype:
+        return f"has dtype {mine.dtype}, rank 0 {ref.dtype}"
+    if _digest(mine) == _digest(ref):
+        return None
+    if mine.dtype.kind in "biu":
+        mine, ref = mine.astype(np.float64), ref.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        nan_mine, nan_ref = np.isnan(mine), np.isnan(ref)
+        if (nan_mine != nan_ref).any():
+            i = np.unravel_index(np.argmax(nan_mine != nan_ref), mine.shape)
+            return (f"has {mine[i]} at index {tuple(map(int, i))}, rank 0 {ref[i]} (NaN on "
+                    "one side only)")
+        gap = np.where(nan_mine, 0, np.abs(mine - ref))
+        i = np.unravel_index(np.argmax(gap), mine.shape)
+        return (f"differs from rank 0 by up to {float(gap[i]):.3e} (at index "
+                f"{tuple(map(int, i))}: {mine[i]} against {ref[i]})")
+
+
+def check_replicated(comm: Any, distributed: frozenset[str], values: dict[str, Any],
+                     where: str) -> None:
+    """Raise on every rank if a replicated value differs between ranks.
+
+    Values are compared, not bytes: NaN equals NaN and 0.0 equals -0.0.
+
+    **Arguments:**
+    - `comm`: the Problem's communicator.
+    - `distributed`: the names of the distributed values.
+    - `values`: name -> numpy array (inputs and outputs of one point).
+    - `where`: the calling method, for the message.
+    """
+    names = [k for k in values if k not in distributed]
+    if comm.Get_size() == 1 or not names:
+        return
+    every = comm.allgather([_digest(values[k]) for k in names])
+    bad = [i for i, k in enumerate(names) if len({d[i] for d in every}) > 1]
+    if not bad:
+        return
+    arrays = comm.allgather([np.asarray(values[names[i]]) for i in bad])
+    lines = [f"{where}: replicated values differ between ranks (they must be the same on "
+             "every rank, or be declared in Problem(distributed=...)):"]
+    for j, i in enumerate(bad):
+        ref = arrays[0][j]
+        for rank, mine in enumerate(arrays[1:], start=1):
+            said = _difference(mine[j], ref)
+            if said is not None:
+                lines.append(f"  {names[i]!r}: rank {rank} {said}")
+    raise DistopError("\n".join(lines))
+
+
+class _Stdout:
+    """`check_totals`'s default stream: `sys.stdout` as it is when called, not as it was
+    at import (a redirection, or pytest's capture, replaces it)."""
+
+    def __repr__(self) -> str:
+        return "sys.stdout"
+
+
+STDOUT = _Stdout()
+
+
+def request_key(value: Any, names: bool = False) -> Any:
+    """An argument as the ranks compare it in a request: equal arguments give equal keys
+    on every rank (`1e-6` and `np.float64(1e-6)`; `"batched"` and `np.str_("batched")`;
+    with `names`, `"f"`, `["f"]` and `("f",)`), and every key can be hashed. The argument
+    itself is checked after the agreement, so that a bad one is an error on every rank."""
+    if isinstance(value, str):
+        return (str(value),) if names else str(value)
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        try:
+            return float(value)
+        except (OverflowError, ValueError, TypeError):
+            pass
+    elif names and isinstance(value, (list, tuple, set, frozenset)) and all(
+            isinstance(v, str) for v in value):
+        # (a set's order differs between processes: Python salts string hashes)
+        ordered = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return tuple(map(str, ordered))
+    return repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluations:
+    """What `check_totals` evaluates: a Problem's entry points at its current point.
+
+    **Arguments:**
+    - `comm`: the Problem's communicator.
+    - `distributed`: the names of its distributed values.
+    - `layout`: the `Layout` of the current point.
+    - `point`: the current point.
+    - `run`: the Problem's `run`.
+    - `compute_totals`: the Problem's `compute_totals`.
+    - `perturbed`: runs the finite-difference program of `FDOptions` on perturbations
+      (name -> batch of deltas) of the point; returns the batched outputs.
+    """
+
+    comm: Any
+    distributed: frozenset[str]
+    layout: Layout
+    point: dict[str, Any]
+    run: Callable[[], dict[str, Any]]
+    compute_totals: Callable[..., Blocks]
+    perturbed: Callable[[FDOptions, dict[str, np.ndarray]], dict[str, Any]]
+
+
+def check_options(method: str, form: str, step: float, atol: float,
+                  rtol: float) -> tuple[float, float, float]:
+    """**Returns:** `check_totals`'s `step`, `atol` and `rtol` as floats, checked with
+    its `method` and `form`."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"check_totals(method={method!r}): expected 'fd' (finite "
+                         "differences) or 'cs' (complex step).")
+    if not isinstance(form, str) or form not in FORMS:
+        raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
+    for name, value, least in (("step", step, 0), ("atol", atol, None), ("rtol", rtol, None)):
+        if not (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+                and math.isfinite(value) and (value > 0 if least == 0 else value >= 0)):
+            raise ValueError(f"check_totals({name}={value!r}): expected a "
+                             f"{'positive' if least == 0 else 'non-negative'} number.")
+    return float(step), float(atol), float(rtol)  # (a Fraction, say)
+
+
+def check_complex_step(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...]) -> None:
+    """Refuse `check_totals(method="cs")` of complex inputs or outputs: the complex
+    step perturbs real values along the imaginary axis, and reads the derivative off
+    the imaginary part of real outputs."""
+    for kind, names, specs in (("input", wrt, layout.inputs), ("output", of, layout.outputs)):
+        found = [n for n in names if np.issubdtype(specs[n].dtype, np.complexfloating)]
+        if found:
+            raise ValueError(
+                f"check_totals(method='cs'): {kind}s {found} are complex; the complex step "
+                "perturbs real inputs along the imaginary axis and reads real outputs' "
+                f"imaginary parts. Leave them out ({'wrt' if kind == 'input' else 'of'}"
+                "=...) or use method='fd'.")
+
+
+def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...], *,
+                 method: str, form: str, step: float, atol: float, rtol: float,
+                 out_stream: Any, raise_on_error: bool, show_only_incorrect: bool,
+                 progress: bool = True) -> dict[tuple[str, str], TotalsCheck]:
+    """See `Problem.check_totals`: `of`, `wrt` and the options checked already."""
+    if out_stream is STDOUT:
+        out_stream = sys.stdout
+    comm, rank = evaluations.comm, evaluations.comm.Get_rank()
+    say: Say = (lambda text: print(text, file=out_stream, flush=True)) if (
+        out_stream is not None and rank == 0) else (lambda text: None)
+    if not of or not wrt:
+        say("check_totals: nothing to check (no floating-point outputs or inputs)")
+        return {}
+    shown = out_stream if progress and rank == 0 else None
+    with _progress.Progress("check_totals", 4, shown) as steps:
+        if shown is not None:
+            say = steps.say  # (past the bar on a terminal)
+        steps.next("checking that replicated values agree across ranks")
+        check_replicated(comm, evaluations.distributed,
+                         {**evaluations.point, **evaluations.run()}, "check_totals")
+        started = time.perf_counter()
+        steps.next("computing the totals")
+        J = evaluations.compute_totals(of, wrt)
+        J_fd = _differences(evaluations, of, wrt, method, form, step, say, steps)
+        if time.perf_counter() - started > 5:
+            say(f"check_totals: derivatives computed in {time.perf_counter() - started:.1f}"
+                " s; comparing on every rank")
+        steps.next("comparing on every rank")
+        results = _judge(comm, of, wrt, J, J_fd, atol, rtol)
+
+    if out_stream is not None and rank == 0:
+        _table(results, say, show_only_incorrect)
+        _say_steps(J_fd, method, form, step, rtol, say)
+    failed = [k for k, r in results.items() if not r.ok]
+    if raise_on_error and failed:
+        raise DerivativeCheckError(
+            "check_totals: derivatives disagree with " + (
+                "the complex step" if method == "cs" else "finite differences")
+            + " or between ranks for " + ", ".join(f"({o!r}, {w!r})" + (
+                f" [inconsistent ranks {results[o, w].inconsistent_ranks}]"
+                if results[o, w].inconsistent_ranks else _worst_words(results[o, w]))
+                for o, w in failed))
+    return results
+
+
+def _judge(comm: Any, of: tuple[str, ...], wrt: tuple[str, ...], J: Blocks,
+           J_fd: dict[tuple[str, str], Estimate], atol: float,
+           rtol: float) -> dict[tuple[str, str], TotalsCheck]:
+    """Judge every block on every rank, and find the ranks whose blocks differ."""
+    results: dict[tuple[str, str], TotalsCheck] = {}
+    keys = [(o, w) for o in of for w in wrt]
+    every = comm.allgather([_digest(J[k]) + _digest(J_fd[k].value) for k in keys])
+    for i, k in enumerate(keys):
+        digests = [d[i] for d in every]
+        majority = max(set(digests), key=lambda d: (digests.count(d), d == digests[0]))
+        inconsistent = [r for r, d in enumerate(digests) if d != majority]
+        results[k] = _compare(J[k], J_fd[k], atol, rtol, inconsistent)
+    oks = comm.allgather([r.ok for r in results.values()])
+    for i, r in enumerate(results.values()):
+        r.ok = all(o[i] for o in oks) and not r.inconsistent_ranks
+    return results
+
+
+def _compare(J: np.ndarray, fd: Estimate, atol: float, rtol: float,
+             inconsistent: list[int]) -> TotalsCheck:
+    """Judge every entry of `J` against the estimate `fd` and the error it carries."""
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
+        allowed = atol + rtol * np.abs(fd.value) + fd.error
+    diff, within, share = judge(J, fd.value, allowed)
+    if not diff.size:
+        return TotalsCheck(J, fd.value, 0.0, 0.0, True, inconsistent, None, 0.0, fd.error)
+    flat = int(np.argmax(share))
+    worst = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
+    abs_error = float(diff[worst])
+    scale = float(np.abs(fd.value[worst]))
+    rel_error = abs_error / scale if scale else (0.0 if abs_error == 0 else math.inf)
+    return TotalsCheck(J, fd.value, abs_error, rel_error, bool(np.all(within)), inconsistent,
+                       (worst[0], worst[1]), float(allowed[worst]), fd.error)
+
+
+def _worst_words(r: TotalsCheck) -> str:
+    """**Returns:** the worst entry of a failed block in words, for messages."""
+    if r.worst is None:
+        return ""
+    return (f" [at {r.worst}: J {_number(r.J[r.worst])}, J_fd {_number(r.J_fd[r.worst])}, "
+            f"error {r.abs_error:.2e} > allowed {r.allowed:.2e}]")
+
+
+def _number(value: Any) -> str:
+    value = complex(value)
+    if value.imag == 0:
+        return f"{value.real:.4e}"
+    return f"{value.real:.3e}{value.imag:+.3e}j"
+
+
+def _say_steps(J_fd: dict[tuple[str, str], Estimate], method: str, form: str, step: float,
+               rtol: float, say: Say) -> None:
+    """Tell, per block, where the estimate's own error is more than `rtol` of the block's
+    largest entry (there a wrong derivative that errs by less cannot be told from a
+    right one), and at which step it would be least."""
+    what = "complex step" if method == "cs" else f"{form} differences"
+    for (o, w), fd in J_fd.items():
+        if not fd.value.size:
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            scale = float(np.max(np.abs(fd.value)))
+            rounding, truncation = float(np.max(fd.rounding)), float(np.max(fd.truncation))
+        error = rounding + truncation
+        if math.isfinite(error) and error <= rtol * scale:
+            continue
+        if not math.isfinite(error):
+            say(f"check_totals: ({o!r}, {w!r}): {what} at step={step:g} are not finite: "
+                "take a smaller step.")
+            continue
+        relative = f"{error / scale:.0e} of its largest entry" if scale else "with no entry"
+        line = (f"check_totals: ({o!r}, {w!r}): {what} at step={step:g} carry an error of "
+                f"about {error:.0e} (rounding {rounding:.0e}, truncation {truncation:.0e}), "
+                f"{relative}, more than rtol={rtol:g}; each entry is judged with its own")
+        best = better_step(method, form, step, rounding, truncation, fd.eps, fd.scale)
+        say(line + (f". About step={best:.0e} would make it less." if best else "."))
+
+
+def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...],
+                 method: str, form: str, step: float, say: Say,
+                 progress: _progress.Progress) -> dict[tuple[str, str], Estimate]:
+    """Every perturbation of every `wrt` entry, at the step and twice the step, as one
+    batched program call, and the estimates they give with their own errors.
+
+    The derivatives are those `compute_totals` gives, in JAX's convention: of an
+    output's real part (that of a real output itself), along each entry of a real input,
+    and for an entry z = x + iy of a complex input, d/dx - i d/dy of it (for a
+    holomorphic function, its complex derivative): a complex entry is perturbed along
+    both axes. The complex step perturbs a real entry along the imaginary axis."""
+    comm, rank, layout = evaluations.comm, evaluations.comm.Get_rank(), evaluations.layout
+    factors = multiples(method, form)
+    # (an input's own sizes: an output may have its name)
+    sizes = [sum(flat_counts(layout, w)) if w in layout.counts
+             else math.prod(layout.inputs[w].shape) for w in wrt]
+    axes = [(1, 1j) if np.issubdtype(layout.inputs[w].dtype, np.complexfloating) else (1,)
+            for w in wrt]
+    offsets = np.cumsum([0] + [size * len(a) for size, a in zip(sizes, axes)])
+    n = int(offsets[-1])
+    deltas: dict[str, np.ndarray] = {}
+    steps = np.zeros((len(factors), n))  # the step each perturbation really took
+    scales: dict[str, float] = {}  # the largest magnitude of each input
+    magnitudes: dict[str, np.ndarray] = {}  # |x| of each input, every entry
+    for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
+        spec = layout.inputs[w]
+        dtype = np.result_type(spec.dtype, np.complex64) if method == "cs" else spec.dtype
+        x = np.asarray(evaluations.point[w]).reshape(-1)
+        start, stop = layout.local_rows(w, rank) if w in layout.counts else (0, size)
+        delta = np.zeros((len(factors) * n, x.size), dtype)
+        # per multiple and axis, the step each entry really took; last, |x| itself
+        taken = np.zeros((len(factors) * len(directions) + 1, x.size))
+        taken[-1] = np.abs(x)
+        for k, factor in enumerate(factors):  # this rank perturbs the entries it owns
+            for a, direction in enumerate(directions):
+                amount = factor * step * direction
+                d = np.full(x.size, amount if np.iscomplexobj(delta) else amount.real, dtype)
+                delta[k * n + offset + a * size + np.arange(start, stop),
+                      np.arange(x.size)] = d
+                # (x + d) - x is exact: the step as the input's precision rounds it,
+                # signed, along the axis perturbed (the imaginary one for the complex step)
+                axis = direction * (1j if method == "cs" else 1)
+                taken[k * len(directions) + a] = (((x + d) - x) * np.conj(axis)).real
+        deltas[w] = delta.reshape((len(factors) * n,) + spec.shape)
+        if w in layout.counts:
+            taken = gather_columns(comm, taken, flat_counts(layout, w))
+        for k in range(len(factors)):
+            for a in range(len(directions)):
+                steps[k, offset + a * size:offset + (a + 1) * size] = taken[
+                    k * len(directions) + a]
+        scales[w] = float(np.max(taken[-1], initial=0.0))
+        magnitudes[w] = taken[-1]
+    if len(factors) * n > 256:
+        say(f"check_totals: evaluating {len(factors) * n} perturbed points in one batched "
+            "call")
+    progress.next(f"evaluating {len(factors) * n} perturbed points")
+    values = evaluations.perturbed(FDOptions(tuple(wrt), form, step, method), deltas)
+    base = evaluations.run() if needs_base(method, form) else None
+    estimates: dict[tuple[str, str], Estimate] = {}
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # (not ok)
+        for o in of:
+            v = np.asarray(values[o]).reshape(len(factors) * n, -1)
+            if method == "cs" and not np.iscomplexobj(v):
+                raise DistopError(_dropped_imaginary(o))
+            at = [v[k * n:(k + 1) * n] for k in range(len(factors))]
+            for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
+                eps = max(float(jnp.finfo(layout.outputs[o].dtype).eps),
+                          float(jnp.finfo(layout.inputs[w].dtype).eps))
+                parts = [estimate(method, form,
+                                  [a_[offset + a * size:offset + (a + 1) * size] for a_ in at],
+                                  None if base is None else np.asarray(base[o]).reshape(1, -1),
+                                  [s[offset + a * size:offset + (a + 1) * size, None]
+                                   for s in steps], eps)
+                         for a in range(len(directions))]
+                value = parts[0].value if len(parts) == 1 else parts[0].value - 1j * parts[1].value
+                blocks: list[np.ndarray] = [
+                    value, np.sum([p.rounding for p in parts], axis=0),
+                    np.sum([p.truncation for p in parts], axis=0)]
+                # local rows of o, gathered from every rank where o is distributed
+                blocks = [np.ascontiguousarray(b.T) for b in blocks]
+                if o in layout.counts:
+                    counts = flat_counts(layout, o)
+                    blocks = [gather_rows(comm, b, counts) for b in blocks]
+                estimates[o, w] = Estimate(blocks[0], blocks[1], blocks[2], eps, scales[w])
+            # the size of the terms each entry of o is made of, over every input perturbed
+            terms = sum(np.abs(estimates[o, w].value) @ magnitudes[w] for w in wrt)
+            for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
+                found = estimates[o, w]
+                found.rounding = found.rounding + len(directions) * terms_rounding(
+                    method, form, [s[offset:offset + size] for s in steps], found.eps,
+                    np.asarray(terms))
+    return estimates
+
+
+def _dropped_imaginary(name: str) -> str:
+    return (f"check_totals(method='cs'): output {name!r} is real when its inputs are "
+            "complex: the model drops the imaginary part the complex step puts in (jnp.abs, "
+            "jnp.real, a cast to a real dtype, an operator whose output_spec is real). "
+            "Keep every step from the inputs to this output analytic, or use method='fd'.")
+
+
+def _table(results: dict[tuple[str, str], TotalsCheck], say: Say,
+           show_only_incorrect: bool) -> None:
+    """Print one row per block: its worst entry, the error there and what it is allowed
+    (the block passes where `abs error <= allowed`, at every entry and so at this one)."""
+    head = (f"{'of':<12} {'wrt':<12} {'shape':<10} {'worst':<9} {'J':>11} {'J_fd':>11} "
+            f"{'abs error':>10} {'rel error':>10} {'allowed':>10}  flag")
+    say(head)
+    say("-" * len(head))
+    for (o, w), r in results.items():
+        if show_only_incorrect and r.ok:
+            continue
+        flag = "" if r.ok else ("<-- inconsistent ranks " + str(r.inconsistent_ranks)
+                                if r.inconsistent_ranks else "<-- FAILED")
+        if r.worst is None:
+            say(f"{o:<12} {w:<12} {str(r.J.shape):<10} {'-':<9} {'':>11} {'':>11} "
+                f"{'':>10} {'':>10} {'':>10}  {flag}")
+            continue
+        say(f"{o:<12} {w:<12} {str(r.J.shape):<10} {str(r.worst):<9} "
+            f"{_number(r.J[r.worst]):>11} {_number(r.J_fd[r.worst]):>11} "
+            f"{r.abs_error:>10.2e} {r.rel_error:>10.2e} {r.allowed:>10.2e}  {flag}")
+    say("(worst: the entry whose error is the largest share of what it is allowed, atol + "
+        "rtol |J_fd| + the error of J_fd itself)")
+
+
+def shard(n_samples: int, comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Split `n_samples` over the ranks so that every rank gets the same count.
+
+    Rank r takes its contiguous share (sizes differ by at most one) and pads it by
+    wrap-around to ceil(N / P) samples.
+    Padding samples carry weight 0, so a weighted loss is exact.
+    Every rank then runs the same number of steps and collectives.
+
+    **Arguments:**
+    - `n_samples`: the number of samples, N >= 1.
+    - `comm`: the communicator (default `MPI.COMM_WORLD`).
+
+    **Returns:** `(indices, weights)`: int64 and float64 arrays of length ceil(N / P).
+
+    **Raises:** `ValueError` for fewer than one sample.
+
+    ```python
+    import distop
+
+    indices, weights = distop.shard(10)
+    assert len(indices) == len(weights)  # ceil(10 / P) on every rank
+    ```
+    """
+    comm = world() if comm is None else comm
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if int(n_samples) < 1:
+        raise ValueError(f"shard(n_samples={n_samples}): need at least one sample.")
+    n = int(n_samples)
+    per_rank = -(-n // size)
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    count = base + (rank < extra)
+    indices = (start + np.arange(per_rank)) % n
+    weights = (np.arange(per_rank) < count).astype(np.float64)
+    return indices.astype(np.int64), weights

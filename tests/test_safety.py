@@ -441,7 +441,8 @@ def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
     # rank 1, a second later: it asked the relay only, and heard only its summary
     relayed = {0: (now, _watchdog._groups_of(summary))}
     stuck = [(_watchdog.WAITING, wait, 61.0, 60.0)]
-    text = _watchdog.report(1, 5, stuck, 60.0, now + 1.0, {}, {0: now - 0.2}, "", relayed)
+    # (asked again since the summary came, and not yet answered: the summary stands)
+    text = _watchdog.report(1, 5, stuck, 60.0, now + 1.0, {}, {0: now + 0.9}, "", relayed)
     assert text.splitlines()[1:-1] == [
         "Where the other ranks stand, as they last answered:",
         "  ranks 0, 2: waiting in Solve.forward, collective Allreduce for 62 s "
@@ -450,7 +451,7 @@ def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
         "  rank 4: no answer (asked 2.0 s ago): it may have exited or crashed, or hold "
         "the GIL in a long computation"]
     asker = _watchdog.Watchdog()
-    asker._relayed = relayed
+    asker._relayed, asker._asked = relayed, {0: now + 0.9}
     assert asker._held(now + 1.0, 60.0, longest=61.0)  # (rank 3 computes)
     asker._relayed = {0: (now - 59.0, relayed[0][1])}  # (news older than the limit)
     assert not asker._held(now + 1.0, 60.0, longest=61.0)

@@ -12,6 +12,7 @@ a rank that has waited long can tell a peer still computing (it waits on) from a
 import atexit
 import functools
 import json
+import math
 import threading
 import time
 from typing import Any
@@ -443,17 +444,17 @@ def _members(rank: int, now: float, limit: float, heard: dict, asked: dict,
     (state, description, whether it has not answered since it was last asked), or
     (None, "", False) for a rank asked that never answered; then the seconds it has
     been there (a range where a relay summed up a group; for a rank that never
-    answered, since it was asked), and how old the answers are. Where both tell of a
-    rank, the younger answer stands.
+    answered, since it was asked), and how old the answers are (infinite where there
+    is none). Where both tell of a rank, the younger answer stands.
     """
     found: dict[int, tuple] = {}
     for peer in set(asked) | set(heard):
         if peer == rank:
             continue
         answer = heard.get(peer)
-        if answer is None:
+        if answer is None:  # (no answer: older than any, so that any answer stands)
             ago = now - asked[peer]
-            found[peer] = ((None, "", False), ago, ago, ago, ago)
+            found[peer] = ((None, "", False), ago, ago, math.inf, math.inf)
             continue
         when, state, where, seconds = answer
         age = now - when

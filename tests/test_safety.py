@@ -116,6 +116,29 @@ def test_a_failure_is_reported_once_and_every_other_rank_says_why_it_stops(
     assert not repeated, out
 
 
+class _Raising(distop.DistributedOperator):
+    """An operator whose forward raises, as a user's code may."""
+
+    def output_specs(self, x):
+        return x
+
+    def forward(self, comm, x):
+        raise RuntimeError("disk quota exceeded")
+
+    def vjp(self, comm, x, out, ct):
+        return ct
+
+
+def test_a_report_leaves_out_the_frames_of_every_module_of_distop():
+    problem = distop.Problem(lambda x: {"y": _Raising()(x)}, {"x": np.ones(2)})
+    with pytest.raises(distop.OperatorError) as caught:
+        problem.run()
+    shown = _runtime.format_exception(caught.value)
+    assert 'raise RuntimeError("disk quota exceeded")' in shown, shown
+    assert f'File "{ROOT / "distop"}' not in shown, shown
+    assert "inside distop left out]" in shown, shown
+
+
 class _Eight:
     """A stand-in for the runtime's communicator of 8 ranks."""
 

@@ -225,7 +225,8 @@ ELSEWHERE_WAIT = 5.0  # seconds a rank reporting another's failure waits for tha
 _NOTICE_TAG = 1  # (the runtime's communicator carries no other point-to-point message)
 _NOTICE_BYTES = 1024
 _NEWS_BYTES = 1 << 16  # the most a relay's news takes (see `_news`)
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# (the package: this module sits one level below it)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # the first line of an operator's failure as distop reports it, after "distop: " or the
 # exception's name
 _FAILED = re.compile(r"(?:[\w.]+: )?([A-Za-z_]\w*\.[A-Za-z_]\w*) on rank \d+: ")

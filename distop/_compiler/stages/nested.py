@@ -33,9 +33,10 @@ from ..._hostcalls.base import HostCallable
 from ..._hostcalls.ffi import CHECKPOINTS, anywhere, has_lean, inner_eqns, token_dtype
 from ..jaxprs import is_lean, shaped
 
-# the primitives a nested call may sit in whose bodies are inlined
-_INLINED = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-            "custom_vjp_call_jaxpr")
+# the primitives a nested call may sit in whose bodies are inlined (newer JAX binds a
+# call, and a checkpoint that is not differentiated, as eval_jaxpr)
+_INLINED = ("jit", "pjit", "closed_call", "core_call", "eval_jaxpr", "custom_jvp_call",
+            "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def nested(jaxpr: Jaxpr) -> bool:

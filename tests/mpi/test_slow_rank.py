@@ -90,15 +90,22 @@ def test_the_profile_names_the_slow_rank_and_where_its_time_went(where):
 
 
 def test_with_no_rank_slowed_the_profile_names_none():
-    # the same pause on every rank: identical work, the ranks idle in it (a machine
-    # whose cores are all busy may slow one rank for real, and the profile says so)
+    # the same pause on every rank: identical work, the ranks idle in it. A machine
+    # whose cores are all busy may slow one rank for real for a while, and the profile
+    # says so: of three profiles, one at least names none (a profile that names a rank
+    # where none is slowed would name one in each).
     op = Summed(PAUSE / 3)
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x) ** 2)}, {"x": np.ones(4)})
     problem.run(), problem.compute_totals()
-    with problem.profile() as prof:
-        for _ in range(10):
-            problem.run()
-            problem.compute_totals()
-    report = prof.report()
-    assert report.slowest_rank is None, report.table()
+    tables = []
+    for _ in range(3):
+        with problem.profile() as prof:
+            for _ in range(10):
+                problem.run()
+                problem.compute_totals()
+        report = prof.report()
+        if comm.allreduce(report.slowest_rank is None, op=MPI.LAND):  # (alike everywhere)
+            break
+        tables.append(report.table())
+    assert report.slowest_rank is None, "\n".join(tables)
     assert report.headline().startswith("slowest rank: none"), report.headline()

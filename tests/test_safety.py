@@ -19,6 +19,7 @@ from distop import _config
 from distop._mpi import runtime as _runtime
 from distop._mpi.launch import diagnose
 from distop._safety import watchdog as _watchdog
+from distop._safety.watchdog import State
 
 MPICH = "MPICH Version:      5.0.2\nMPICH ABI:          18:2:6\n"
 OPEN_MPI = "Open MPI v5.0.3, package: Open MPI Distribution, ident: 5.0.3"
@@ -368,18 +369,20 @@ def test_watchdog_sees_each_mpi_call_of_a_method_as_a_wait_and_the_rest_as_compu
     assert isinstance(busy.comm, _watchdog.WatchedComm) and busy.comm.seconds == 0.0
     with busy:
         key = threading.get_ident()
-        assert _watchdog.watchdog._active[key][:3] == (_watchdog.COMPUTING, "Solve.forward", None)
+        mark = _watchdog.watchdog._active[key]
+        assert (mark.state, mark.where, mark.detail) == (State.COMPUTING, "Solve.forward", None)
         busy.comm.Allreduce(np.ones(8), np.empty(8))
         busy.comm.Recv(np.empty(8), 1)
-        assert _watchdog.watchdog._active[key][0] == _watchdog.COMPUTING
+        assert _watchdog.watchdog._active[key].state == State.COMPUTING
         sub = busy.comm.Split(0)
         assert isinstance(sub, _watchdog.WatchedComm)
         busy.comm.Isend(np.ones(8), 1)  # (the method may wait on the request unseen)
-        assert _watchdog.watchdog._active[key][:3] == (_watchdog.UNSEEN, "Solve.forward", "Isend")
+        mark = _watchdog.watchdog._active[key]
+        assert (mark.state, mark.where, mark.detail) == (State.UNSEEN, "Solve.forward", "Isend")
     assert key not in _watchdog.watchdog._active
-    assert [s[:3] for s in comm.seen] == [(_watchdog.WAITING, "Solve.forward", name)
+    assert [s[:3] for s in comm.seen] == [(State.WAITING, "Solve.forward", name)
                                           for name in ("Allreduce", "Recv", "Split")] + [
-        (_watchdog.UNSEEN, "Solve.forward", "Isend")]
+        (State.UNSEEN, "Solve.forward", "Isend")]
     one = _Comm()
     one.Get_size = lambda: 1
     assert _watchdog.watchdog.busy("Solve.forward", one).comm is one  # (no peer to wait for)
@@ -412,14 +415,14 @@ def test_watchdog_counts_a_method_waiting_in_mpi_but_not_computing(aborts):
 def test_watchdog_waits_on_while_a_peer_computes(aborts):
     dog = _watchdog.Watchdog()
     now = time.monotonic()
-    dog._heard = {1: (now, _watchdog.COMPUTING, "Solve.forward", 100.0)}
+    dog._heard = {1: (now, State.COMPUTING, "Solve.forward", 100.0)}
     assert dog._held(now, 0.3, longest=1000.0)  # however long
-    dog._heard = {1: (now - 1.0, _watchdog.COMPUTING, "Solve.forward", 100.0)}
+    dog._heard = {1: (now - 1.0, State.COMPUTING, "Solve.forward", 100.0)}
     assert not dog._held(now, 0.3, longest=1.0)  # (no news within the limit)
-    for state in (_watchdog.OUTSIDE, _watchdog.UNSEEN):  # (it may be waiting, unseen)
+    for state in (State.OUTSIDE, State.UNSEEN):  # (it may be waiting, unseen)
         dog._heard = {1: (now, state, "", 1.0)}
         assert dog._held(now, 0.3, longest=2.9) and not dog._held(now, 0.3, longest=3.1)
-    for state in (_watchdog.WAITING, _watchdog.EXITING):
+    for state in (State.WAITING, State.EXITING):
         dog._heard = {1: (now, state, "Solve.forward, collective Allreduce", 1.0)}
         assert not dog._held(now, 0.3, longest=0.5)
 
@@ -427,13 +430,13 @@ def test_watchdog_waits_on_while_a_peer_computes(aborts):
 def test_watchdog_report_says_where_every_rank_stands(monkeypatch):
     monkeypatch.setattr(_watchdog.settings, "check_collectives", False)  # (its hint)
     now = 1000.0
-    heard = {1: (now, _watchdog.WAITING, "Solve.forward, collective Allreduce", 61.2),
-             2: (now - 0.5, _watchdog.WAITING, "Solve.forward, collective Allreduce", 60.6),
-             3: (now - 2.0, _watchdog.COMPUTING, "Solve.forward", 70.0),
-             5: (now - 90.0, _watchdog.OUTSIDE, "", 1.0),
-             6: (now, _watchdog.EXITING, "its exit", 3.0)}
+    heard = {1: (now, State.WAITING, "Solve.forward, collective Allreduce", 61.2),
+             2: (now - 0.5, State.WAITING, "Solve.forward, collective Allreduce", 60.6),
+             3: (now - 2.0, State.COMPUTING, "Solve.forward", 70.0),
+             5: (now - 90.0, State.OUTSIDE, "", 1.0),
+             6: (now, State.EXITING, "its exit", 3.0)}
     asked = dict.fromkeys(range(1, 8), now - 1.0)
-    stuck = [(_watchdog.WAITING, "Solve.forward, collective Allreduce", 61.4, 60.0)]
+    stuck = [(State.WAITING, "Solve.forward, collective Allreduce", 61.4, 60.0)]
     text = _watchdog.report(0, 8, stuck, 60.0, now, heard, asked, "")
     assert text.splitlines() == [
         "distop watchdog: rank 0 of 8 has waited 61 s in Solve.forward, collective "
@@ -456,14 +459,14 @@ def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
     monkeypatch.setattr(_watchdog.settings, "check_collectives", False)  # (its hint)
     wait, now = "Solve.forward, collective Allreduce", 1000.0
     relay = _watchdog.Watchdog()  # (rank 0 of 5, as the world is here)
-    relay._heard = {1: (now, _watchdog.WAITING, wait, 61.0),
-                    2: (now - 0.5, _watchdog.WAITING, wait, 60.5),
-                    3: (now - 2.0, _watchdog.COMPUTING, "Solve.forward", 70.0)}
+    relay._heard = {1: (now, State.WAITING, wait, 61.0),
+                    2: (now - 0.5, State.WAITING, wait, 60.5),
+                    3: (now - 2.0, State.COMPUTING, "Solve.forward", 70.0)}
     relay._asked = dict.fromkeys(range(1, 5), now - 1.0)
-    summary = relay._summary(lambda: (_watchdog.WAITING, wait, 61.0), now, 60.0)
+    summary = relay._summary(lambda: (State.WAITING, wait, 61.0), now, 60.0)
     # rank 1, a second later: it asked the relay only, and heard only its summary
     relayed = {0: (now, _watchdog._groups_of(summary))}
-    stuck = [(_watchdog.WAITING, wait, 61.0, 60.0)]
+    stuck = [(State.WAITING, wait, 61.0, 60.0)]
     # (asked again since the summary came, and not yet answered: the summary stands)
     text = _watchdog.report(1, 5, stuck, 60.0, now + 1.0, {}, {0: now + 0.9}, "", relayed)
     assert text.splitlines()[1:-1] == [

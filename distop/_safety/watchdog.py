@@ -10,24 +10,43 @@ a rank that has waited long can tell a peer still computing (it waits on) from a
 """
 
 import atexit
+import enum
 import functools
 import json
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._config import settings
 from .._mpi.names import BLOCKING, COLLECTIVES, MAKERS, STARTERS
 from .._mpi.runtime import abort, mpi, world
 from .watchdog_channel import Channel, decode
 
-# Where a thread stands, and so a rank (see `Watchdog.busy` and `WatchedComm`).
-OUTSIDE = 0  # in no distop step: its own code, or distop tracing and compiling
-COMPUTING = 1  # in an operator's method, outside its MPI calls
-WAITING = 2  # in a distop collective, or in a blocking MPI call of a method
-UNSEEN = 3  # in a method that started a non-blocking call: computing, or waiting on it
-EXITING = 4  # at its exit, waiting for the other ranks to reach theirs
+
+class State(enum.IntEnum):
+    """Where a thread stands, and so a rank (see `Watchdog.busy` and `WatchedComm`); sent
+    to the peers as its number."""
+
+    OUTSIDE = 0  # in no distop step: its own code, or distop tracing and compiling
+    COMPUTING = 1  # in an operator's method, outside its MPI calls
+    WAITING = 2  # in a distop collective, or in a blocking MPI call of a method
+    UNSEEN = 3  # in a method that started a non-blocking call: computing, or waiting on it
+    EXITING = 4  # at its exit, waiting for the other ranks to reach theirs
+
+
+OUTSIDE, COMPUTING, WAITING, UNSEEN, EXITING = State  # (short names inside this module)
+
+
+class Mark(NamedTuple):
+    """A thread's innermost step, as the watchdog keeps it."""
+
+    state: State
+    where: str  # the step, as `Watchdog.watch` or `Watchdog.busy` names it
+    detail: str | None  # the MPI call it is in, if any
+    since: float  # when it began (monotonic)
+    outer: "Mark | None"  # the step it is in, restored when it ends
+
 # How many limits a wait may last while a peer runs where the watchdog cannot see
 # whether it computes or waits (`OUTSIDE`, `UNSEEN`); such a rank itself gets as long.
 UNSEEN_PATIENCE = 10
@@ -47,8 +66,7 @@ class Watchdog:
     """
 
     def __init__(self) -> None:
-        # thread id -> its innermost step: (state, where, detail, since, the step it is in)
-        self._active: dict[int, tuple] = {}
+        self._active: dict[int, Mark] = {}  # thread id -> its innermost step
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._channels: list[Channel] = []
@@ -103,7 +121,7 @@ class Watchdog:
         key = _ident()
         found = self._active.get(key)
         if found is not None:
-            self._active[key] = (found[0], where, None) + found[3:]
+            self._active[key] = found._replace(where=where, detail=None)
 
     def attach(self, comm: Any) -> "Channel | None":
         """Open a channel on which the watchdogs of `comm`'s ranks ask each other where
@@ -163,9 +181,9 @@ class Watchdog:
     # Marking runs on every host call and MPI call of a method: a dict entry of this
     # thread's own, set and restored without a lock (each a single operation under the
     # GIL, as is the watchdog thread's copy of the values).
-    def _mark(self, state: int, where: str, detail: str | None = None) -> None:
+    def _mark(self, state: State, where: str, detail: str | None = None) -> None:
         active, key = self._active, _ident()
-        active[key] = (state, where, detail, _now(), active.get(key))
+        active[key] = Mark(state, where, detail, _now(), active.get(key))
         if self._thread is None and settings.watchdog > 0:
             self._start()
 
@@ -173,10 +191,10 @@ class Watchdog:
         active, key = self._active, _ident()
         found = active.get(key)
         if found is not None:
-            if found[4] is None:
+            if found.outer is None:
                 del active[key]
             else:
-                active[key] = found[4]
+                active[key] = found.outer
 
     def _start(self) -> None:
         with self._lock:
@@ -338,7 +356,7 @@ class _Busy:
         self.dog._unmark()
 
 
-def _waits(entries: list, now: float, limit: float) -> list:
+def _waits(entries: list[Mark], now: float, limit: float) -> list:
     """**Returns:** (state, description, seconds, patience) of each thread's step that
     counts: a wait, or a method that started a non-blocking call."""
     found = []
@@ -351,7 +369,7 @@ def _waits(entries: list, now: float, limit: float) -> list:
     return found
 
 
-def _standing(entries: list, now: float, quiet_since: float | None) -> tuple:
+def _standing(entries: list[Mark], now: float, quiet_since: float | None) -> tuple:
     """Where this rank stands, as it answers a peer: a thread computing first (the rank
     is busy), then the longest wait, else outside distop or at its exit.
 
@@ -359,7 +377,7 @@ def _standing(entries: list, now: float, quiet_since: float | None) -> tuple:
     """
     order = {COMPUTING: 0, WAITING: 1, EXITING: 2, UNSEEN: 3}
     if entries:
-        state, where, detail, since, _ = min(entries, key=lambda e: (order[e[0]], e[3]))
+        state, where, detail, since, _ = min(entries, key=lambda e: (order[e.state], e.since))
         return state, _describe(state, where, detail), now - since
     since = now if quiet_since is None else quiet_since
     # (the main thread has ended: at exit, before distop's own wait there)
@@ -367,7 +385,7 @@ def _standing(entries: list, now: float, quiet_since: float | None) -> tuple:
     return state, "its exit" if state == EXITING else "", now - since
 
 
-def _describe(state: int, where: str, detail: str | None) -> str:
+def _describe(state: State, where: str, detail: str | None) -> str:
     """**Returns:** the step, with the MPI call it is in."""
     if detail is None:
         return where
@@ -502,7 +520,7 @@ def _s(seconds: float) -> str:
     return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
 
 
-def _say_standing(state: int, where: str, took: str) -> str:
+def _say_standing(state: State, where: str, took: str) -> str:
     """**Returns:** a peer's answer, in words (`took`: how long it has been there)."""
     if state == COMPUTING:
         return f"computing in {where} for {took}"
@@ -538,7 +556,7 @@ def _waiting_call(call: Any, name: str, where: str, active: dict) -> Any:
     def waiting(*args: Any, **kwargs: Any) -> Any:
         key = _ident()
         outer = active.get(key)
-        active[key] = (WAITING, where, name, _now(), outer)
+        active[key] = Mark(WAITING, where, name, _now(), outer)
         try:
             return call(*args, **kwargs)
         finally:
@@ -556,8 +574,8 @@ def _starting_call(call: Any, name: str, active: dict) -> Any:
     def starting(*args: Any, **kwargs: Any) -> Any:
         key = _ident()
         found = active.get(key)
-        if found is not None and found[0] == COMPUTING:
-            active[key] = (UNSEEN, found[1], name, _now(), found[4])
+        if found is not None and found.state == COMPUTING:
+            active[key] = Mark(UNSEEN, found.where, name, _now(), found.outer)
         return call(*args, **kwargs)
 
     return starting

@@ -13,7 +13,7 @@ rank, size = comm.rank, comm.size
 
 
 def _standing():
-    return _watchdog.WAITING, f"Step{rank}.forward, collective Barrier", 3.0
+    return _watchdog.State.WAITING, f"Step{rank}.forward, collective Barrier", 3.0
 
 
 def _rounds(dog, count, ask, every):
@@ -38,7 +38,7 @@ def test_every_rank_asks_the_relay_only_and_learns_where_every_rank_stands():
                                      dog._asked, dog._relayed)
         assert sorted(members) == [r for r in range(size) if r != rank], members
         for peer, (key, *_) in members.items():
-            assert key == (_watchdog.WAITING, f"Step{peer}.forward, collective Barrier",
+            assert key == (_watchdog.State.WAITING, f"Step{peer}.forward, collective Barrier",
                            False), (peer, key)
         if rank != 0:  # what it knows of the others it learnt from the relay's summary
             assert set(dog._heard) == set() and set(dog._relayed) == {0}

@@ -43,7 +43,10 @@ from ._totals.operator_check import check_operator as check_operator
 from ._totals.totals import TotalsCheck as TotalsCheck
 from ._totals.totals import shard as shard
 
-__version__ = importlib.metadata.version("distop")
+try:
+    __version__ = importlib.metadata.version("distop")
+except importlib.metadata.PackageNotFoundError:  # (a source tree on sys.path, not installed)
+    __version__ = "0+unknown"
 
 # Host calls run fastest on the caller's thread (see _compat.prefer_inline_execution).
 _compat.prefer_inline_execution()

@@ -51,6 +51,21 @@ def test_version():
     assert distop.__version__ == importlib.metadata.version("distop")
 
 
+def test_a_source_tree_on_the_path_imports_without_being_installed():
+    # (as where a cluster's users put a checkout on PYTHONPATH: no package metadata)
+    code = ("import importlib.metadata as m\n"
+            "def version(name, found=m.version):\n"
+            "    if name == 'distop':\n"
+            "        raise m.PackageNotFoundError(name)\n"
+            "    return found(name)\n"
+            "m.version = version\n"
+            "import distop\n"
+            "print(distop.__version__)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "0+unknown", done.stderr
+
+
 def test_the_readme_example_runs_in_one_process_too():
     # (tests/test_docs.py runs it under mpiexec -n 4, as the README says)
     example, = blocks(ROOT / "README.md")

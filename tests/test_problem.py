@@ -1445,3 +1445,23 @@ def test_a_problems_configuration_is_read_only():
     for name in ("model", "backend", "fuse", "copy"):
         with pytest.raises(AttributeError):
             setattr(problem, name, getattr(problem, name))
+
+
+def test_the_default_backend_follows_jax_s_default_device(monkeypatch):
+    monkeypatch.delenv("DISTOP_BACKEND", raising=False)
+    model, inputs = (lambda x: {"y": Cube()(x)}), {"x": np.arange(3.0)}
+    assert distop.Problem(model, inputs).backend == "lean"
+    # where JAX's default device is an accelerator, the FFI calls of the lean path,
+    # which are CPU calls, cannot be compiled: io_callback is the default there
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    problem = distop.Problem(model, inputs)
+    assert problem.backend == "io_callback"
+    np.testing.assert_allclose(problem.run()["y"], np.arange(3.0) ** 3)
+    for chosen in ({"backend": "lean"}, {}):
+        if not chosen:
+            monkeypatch.setenv("DISTOP_BACKEND", "lean")
+        with pytest.raises(ValueError, match=r"Problem\(backend='lean'\): the lean path "
+                           r"calls operators from programs that run on the CPU, and "
+                           r"JAX's default device here is 'tpu'\. Pass "
+                           r"backend='io_callback'"):
+            distop.Problem(model, inputs, **chosen)

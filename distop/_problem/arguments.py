@@ -4,6 +4,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._dtypes import inexact_dtype as inexact
@@ -17,19 +18,28 @@ FORMATS = ("global", "local")
 DIRECTIONS = ("rev", "fwd", "auto")  # compute_totals: seeded by `of`, by `wrt`, the fewer
 
 
-def check_arguments(model: Callable, inputs: dict, backend: str, copy: bool | None,
+def check_arguments(model: Callable, inputs: dict, backend: str | None, copy: bool | None,
                     distributed: frozenset) -> tuple:
     """**Returns:** (the backend, `copy` as a bool or None, the point) after checking
-    `Problem`'s arguments."""
+    `Problem`'s arguments; the backend None is the default for JAX's default device."""
     if not callable(model):
         raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
                         "a function called as model(**inputs) returning a dict.")
     if not isinstance(inputs, dict) or not inputs:
         raise TypeError("Problem(inputs=...): expected a non-empty dict of name -> "
                         f"array; got {type(inputs).__name__}.")
+    platform = jax.default_backend()
+    if backend is None:  # (the lean path's FFI calls are CPU calls)
+        backend = "lean" if platform == "cpu" else "io_callback"
     if backend not in BACKENDS:
         raise ValueError(f"Problem(backend={backend!r}): expected one of "
                          f"{list(BACKENDS)} (or set DISTOP_BACKEND).")
+    if backend == "lean" and platform != "cpu":
+        raise ValueError(
+            f"Problem(backend='lean'): the lean path calls operators from programs that "
+            f"run on the CPU, and JAX's default device here is {platform!r}. Pass "
+            f"backend='io_callback', the default on {platform!r} (or unset "
+            "DISTOP_BACKEND), or make the CPU JAX's default device (JAX_PLATFORMS=cpu).")
     if not (copy is None or isinstance(copy, (bool, np.bool_))):
         raise ValueError(f"Problem(copy={copy!r}): expected True, None or False.")
     copy = None if copy is None else bool(copy)

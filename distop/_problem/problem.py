@@ -73,10 +73,12 @@ class Problem:
       replicated (the same on every rank).
     - `check_replicated`: if True, every `run` checks that replicated inputs and outputs
       are equal on all ranks and raises on every rank if not.
-    - `backend`: how operators are called from the programs: `"lean"` (default; an XLA
-      FFI call ordered by a token chain; programs where the chain cannot be proven fall
-      back to `"io_callback"`) or `"io_callback"` (JAX's ordered `io_callback`). Default
-      from `DISTOP_BACKEND`.
+    - `backend`: how operators are called from the programs: `"lean"` (an XLA FFI call
+      on the CPU, ordered by a token chain; programs where the chain cannot be proven
+      fall back to `"io_callback"`) or `"io_callback"` (JAX's ordered `io_callback`,
+      which also runs where JAX's default device is an accelerator). Default from
+      `DISTOP_BACKEND`, else `"lean"` where JAX's default device is the CPU and
+      `"io_callback"` elsewhere.
     - `fuse`: on the lean path, run neighbouring operator calls that one host call can
       run in ONE host call, in schedule order: the same calls, collectives and results,
       fewer dispatches (`schedule` shows the groups). Under MPI a fused group of
@@ -136,7 +138,7 @@ class Problem:
         self._backend, self._copy, self._point, size = self._coordinator.collective_step(
             "Problem: checking its arguments",
             lambda: (*check_arguments(model, inputs, backend or os.environ.get(
-                "DISTOP_BACKEND", "lean"), copy, self.distributed), cache_size()))
+                "DISTOP_BACKEND") or None, copy, self.distributed), cache_size()))
         # the widest agreement row of every rank, and whether all name the same
         # distributed values: one reduction of a fixed size
         names = sorted(self.distributed)

@@ -3,9 +3,11 @@ and their ratios, measured in one run with the versions alternating.
 
     OMP_NUM_THREADS=1 python benchmarks/compare.py --base REV [--ranks 1 2 4] [--rounds 2]
 
-`REV` is any git revision (a commit, a tag, `main~3`); it is checked out into a
-temporary worktree, and each version runs its own `benchmarks/suite.py` with its own
-package (`PYTHONPATH`), so private details the suite reads may differ between them.
+`REV` is any git revision (a commit, a tag, `main~3`), checked out into a temporary
+worktree, or a folder that holds the other version's tree (as `git archive` writes
+it, for a machine without the repository's history); each version runs its own
+`benchmarks/suite.py` with its own package (`PYTHONPATH`), so private details the
+suite reads may differ between them.
 Every cell is the median over the rounds of what the suite reports (per-call times,
 the max over ranks of each rank's median). Columns that are the same code in both
 versions (`hand`, the hand-written script) show how much the machine itself varied.
@@ -33,7 +35,8 @@ def run_suite(tree, args, out):
                *args.sections, "--ranks", *map(str, args.ranks), "--json", str(out)]
     if args.quick:
         command.append("--quick")
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0 and not out.exists():
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -58,7 +61,8 @@ def cells(results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="the git revision to compare with")
+    parser.add_argument("--base", required=True,
+                        help="the git revision, or the folder of a tree, to compare with")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sections", nargs="+", default=["matvec", "overhead"],
                         choices=["matvec", "overhead"])
@@ -66,9 +70,11 @@ def main():
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = pathlib.Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
-                        str(base), args.base], check=True)
+        given = pathlib.Path(args.base)
+        base = given.resolve() if given.is_dir() else pathlib.Path(tmp) / "base"
+        if not given.is_dir():
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
+                            str(base), args.base], check=True)
         try:
             seen = {"base": [], "new": []}
             for r in range(args.rounds):
@@ -77,8 +83,9 @@ def main():
                     seen[name].append(cells(run_suite(tree, args, out)))
                     print(f"# round {r + 1} of {args.rounds}: {name} done", flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(base)], check=False)
+            if not given.is_dir():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(base)], check=False)
     medians = {name: {key: statistics.median(run[key] for run in runs if key in run)
                       for key in set().union(*runs)} for name, runs in seen.items()}
     print(f"\n# new (this tree) against base ({args.base}): per call (us), median over "

@@ -74,11 +74,10 @@ def prefer_inline_execution() -> None:
     """Ask JAX's CPU client to run programs on the calling thread (turn off its async
     dispatch), unless it has started already or `DISTOP_ASYNC_DISPATCH=1`.
 
-    With async dispatch, XLA runs every program that does more than about 1000 flops on
-    a worker thread, so each host call waits for the GIL on a thread other than the
-    caller's and the caller waits for the worker: measured on jax 0.10.2, 258 µs for a
-    program with one host call and a small product, against 87 µs inline (the
-    benchmark suite's `overhead` section).
+    With async dispatch, XLA runs every program but the cheapest on a worker thread, so
+    each host call waits for the GIL on a thread other than the caller's and the caller
+    waits for the worker: several times as long as inline for a small program (see
+    docs/performance.md).
     """
     if env_flag("DISTOP_ASYNC_DISPATCH", False):
         return

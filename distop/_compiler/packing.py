@@ -40,7 +40,7 @@ def unpack_plan(outputs: dict) -> tuple:
     """**Returns:** (name, group, index, shape) for every output of `pack`: its packed
     array is `group`, and it is that array's `[index]`, reshaped to `shape` unless None.
     A scalar is indexed `[i, ...]`, one numpy operation for its 0-d view (a slice then
-    a reshape costs three times as long: a run of 64 scalar outputs took 8 us more)."""
+    a reshape costs more; see docs/performance.md)."""
     groups: dict = {}
     plan: list[tuple] = []
     for k, (shape, dtype) in outputs.items():

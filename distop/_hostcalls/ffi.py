@@ -54,8 +54,8 @@ _plans: dict[int, tuple[list["_Slot"], list["_Slot"]]] = {}
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
 # memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
 # makes its numpy view on a slice of one, the buffer's exact bytes (read-only for
-# arguments, so a method cannot make them writeable): 0.5-0.7 µs, where a view through
-# a ctypes array took 1.5-4 µs. The view's `.base` is that slice, no more.
+# arguments, so a method cannot make them writeable): faster than a view through a
+# ctypes array (see docs/performance.md). The view's `.base` is that slice, no more.
 _BASE = 4096
 _memory = C.pythonapi.PyMemoryView_FromMemory
 _memory.restype, _memory.argtypes = C.py_object, [C.c_void_p, C.c_ssize_t, C.c_int]
@@ -88,8 +88,8 @@ def _huge_pages() -> Callable[[int, int], None] | None:
 _HUGE, _MADV_HUGEPAGE = 2 << 20, 14
 # Results of at least this many bytes get huge pages, as numpy asks for its own arrays
 # of 4 MiB and more: XLA allocates a result's buffer afresh on most calls, and an
-# Allreduce into 122 MiB of 4 KiB pages took about twice as long (page faults, TLB
-# misses) as into a numpy array.
+# Allreduce into a large buffer of small pages is slower (page faults, TLB misses) than
+# into a numpy array (see docs/performance.md).
 _ADVISED = 4 << 20
 _advise = _huge_pages()
 

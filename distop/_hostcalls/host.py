@@ -2,17 +2,14 @@
 
 One `HostCall` object is what XLA calls back into. It owns everything per call that is
 not JAX: contiguous row-major arrays for user code, the per-row loop or single batched
-call, checks of what user code returns, and failure handling under MPI.
+call, and checks of what user code returns; a failure goes to `failure.fail`.
 """
 
 import functools
 import inspect
 import math
-import sys
-import threading
-import traceback
 from collections.abc import Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -21,20 +18,14 @@ from .._agreement.comm import checker
 from .._config import settings
 from .._diagnostics import profile as _profile
 from .._dtypes import inexact_spec
-from .._errors import CollectiveMismatchError, MPIUnavailableError, OperatorError, operator_error
-from .._mpi.runtime import abort
+from .._errors import OperatorError
 from .._safety import checking as _checking
 from .._safety import watchdog as _watchdog
 from .._safety.guard import GuardedComm
 from .base import HostCallable
+from .failure import fail
 
 Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for every row
-
-# The exception raised inside the last failing callback, so that `Problem` can re-raise
-# it as itself instead of XLA's wrapped runtime error. Callbacks run on XLA threads.
-_last_error: BaseException | None = None
-_error_lock = threading.Lock()
-
 
 def _linear_specs(phase: str, in_specs: Sequence[jax.ShapeDtypeStruct],
                   out_specs: Sequence[jax.ShapeDtypeStruct],
@@ -56,14 +47,6 @@ def rows_of(mask: np.ndarray) -> Rows:
         if last - first + 1 == len(found):
             return slice(first, last + 1)
     return found
-
-
-def take_error() -> BaseException | None:
-    """**Returns:** the exception raised by the last failing callback (once), or None."""
-    global _last_error
-    with _error_lock:
-        err, _last_error = _last_error, None
-    return err
 
 
 @functools.cache
@@ -239,14 +222,14 @@ class HostCall(HostCallable):
                     profile.ended(self)
                 return results
             except BaseException as err:  # noqa: BLE001 - every failure must be reported
-                _fail(self, err)
+                fail(self, err)
 
     def _check_declared(self, issued: Sequence[str]) -> None:
         # mpi4py's lower-case methods are the same collectives on Python objects.
         declared = {name.lower() for name in self.declared}
         undeclared = sorted({name for name in issued if name.lower() not in declared})
         if undeclared:
-            raise OperatorError(self._say(
+            raise OperatorError(self.say(
                 f"issued {undeclared}, not declared in {self.label}_collectives="
                 f"{self.declared}; declare every collective the method issues"))
 
@@ -400,7 +383,7 @@ class HostCall(HostCallable):
         n = self.n_user_results
         if n == 1 and isinstance(result, list):
             where, what = self._describe(row)
-            raise OperatorError(self._say(
+            raise OperatorError(self.say(
                 f"returned a list{where}; return its one {what} as a numpy array "
                 "(np.asarray(...)), or a tuple of one array"))
         if not isinstance(result, (tuple, list)):
@@ -409,7 +392,7 @@ class HostCall(HostCallable):
             where, what = self._describe(row)
             got = (f"a {type(result).__name__} of length {len(result)}"
                    if isinstance(result, (tuple, list)) else type(result).__name__)
-            raise OperatorError(self._say(
+            raise OperatorError(self.say(
                 f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
                 + ("input" if self.phase == "vjp" else "output")))
         checked = []
@@ -418,14 +401,14 @@ class HostCall(HostCallable):
             if type(r) is not np.ndarray or not r.flags.c_contiguous:
                 if r is None:
                     where, what = self._describe(row)
-                    raise OperatorError(self._say(
+                    raise OperatorError(self.say(
                         f"returned None for {what} {k}{where}; " + (
                             "return an array" if self.phase == "forward"
                             else f"return zeros for a zero {what}")))
                 r = np.asarray(r, order="C")
             if r.shape != batch + shape or r.dtype != dtype:
                 where, what = self._describe(row)
-                raise OperatorError(self._say(
+                raise OperatorError(self.say(
                     f"returned {what} {k}{where} with shape {r.shape} and dtype "
                     f"{r.dtype}; expected shape {batch + shape} and dtype {dtype}"
                     + (" (a leading batch axis, as batched_" + self.phase + " = True)"
@@ -446,45 +429,7 @@ class HostCall(HostCallable):
         return ("" if row is None else f" (batch row {row})",
                 {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output"))
 
-    def _say(self, text: str) -> str:
+    def say(self, text: str) -> str:
+        """**Returns:** `text` after the method and rank it is of, for messages."""
         rank = self.comm.Get_rank() if self.comm is not None else 0
         return f"{self.where} on rank {rank}: {text}"
-
-
-def _fail(call: HostCall, err: BaseException) -> NoReturn:
-    """Report `err`, raised in `call`, as every rank must learn of it (see the guide's
-    errors section), and raise it."""
-    global _last_error
-    if isinstance(err, MPIUnavailableError):  # (no MPI: a single process)
-        err = MPIUnavailableError(call._say(str(err)))
-        err.__cause__ = sys.exc_info()[1]
-    elif not isinstance(err, (OperatorError, CollectiveMismatchError)):
-        # (a message that cannot be encoded, a lone surrogate in it, say, would fail
-        # again where XLA takes it: shown escaped instead)
-        text = f"raised {type(err).__name__}: {err}"
-        if isinstance(err, ValueError) and "read-only" in str(err):
-            text += (". The arrays a method receives are read-only by design: they are "
-                     "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
-                     "to change it")
-        err = operator_error(call._say(
-            text.encode("utf-8", "backslashreplace").decode("utf-8")), err)
-        err.__cause__ = sys.exc_info()[1]
-    size = call.comm.Get_size() if call.comm is not None else 1
-    if call.checker is not None and not isinstance(err, CollectiveMismatchError):
-        # Checking mode: tell the other ranks (they meet this message at their next
-        # check), so that every rank raises instead of aborting the job. Nothing is
-        # printed: the error reaches the caller with its cause, the method's traceback,
-        # and a caller that catches it sees no output.
-        try:
-            call.checker.check_same(("failed", call.where))
-        except CollectiveMismatchError as mismatch:
-            failed, err = err, CollectiveMismatchError(f"{err}\n{mismatch}")
-            err.__cause__ = failed.__cause__ or failed  # (the method's traceback)
-    elif size > 1 and not isinstance(err, CollectiveMismatchError):
-        # The other ranks may already wait in a collective (this operator's or a later
-        # one) and cannot be told: report where we stand and end the job, never hang.
-        abort(call.comm, f"distop: {err}\n{traceback.format_exc()}"
-                         f"distop: aborting all {size} ranks.")
-    with _error_lock:
-        _last_error = err
-    raise err

@@ -12,7 +12,7 @@ from .._compiler.programs import Program
 from .._diagnostics import profile as _profile
 from .._errors import DistopError
 from .._hostcalls import ffi as _ffi
-from .._hostcalls.host import take_error
+from .._hostcalls.failure import take_error
 from .._safety import watchdog as _watchdog
 from .inputs import DeviceCache
 

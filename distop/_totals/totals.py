@@ -5,19 +5,21 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import operator
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from .._agreement.coordinator import stable_hash
 from .._compiler.layout import Layout
 from .._compiler.tracing import FDOptions
 from .._diagnostics import progress as _progress
 from .._errors import DerivativeCheckError, DistopError
-from .._mpi.runtime import world
+from .._mpi.runtime import mpi, world
 from .assembly import Blocks, flat_counts, gather_columns, gather_rows
 from .differences import (
     FORMS,
@@ -474,21 +476,28 @@ def _table(results: dict[tuple[str, str], TotalsCheck], say: Say,
         "rtol |J_fd| + the error of J_fd itself)")
 
 
-def shard(n_samples: int, comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def shard(n_samples: int, comm: Any = None,
+          counts: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Split `n_samples` over the ranks so that every rank gets the same count.
 
-    Rank r takes its contiguous share (sizes differ by at most one) and pads it by
-    wrap-around to ceil(N / P) samples.
+    Rank r takes a contiguous share: as even as can be (sizes differ by at most one),
+    or `counts[r]` samples. It pads its share by wrap-around to the largest share.
     Padding samples carry weight 0, so a weighted loss is exact.
     Every rank then runs the same number of steps and collectives.
 
     **Arguments:**
     - `n_samples`: the number of samples, N >= 1.
     - `comm`: the communicator (default `MPI.COMM_WORLD`).
+    - `counts`: how many samples each rank takes, in rank order: P non-negative
+      integers summing to N, the same on every rank (checked with one small
+      collective). A rank may take none. Default: an even split.
 
-    **Returns:** `(indices, weights)`: int64 and float64 arrays of length ceil(N / P).
+    **Returns:** `(indices, weights)`: int64 and float64 arrays, of length ceil(N / P)
+    by default and max(counts) with `counts`.
 
-    **Raises:** `ValueError` for fewer than one sample.
+    **Raises:** `ValueError` for fewer than one sample, or `counts` that are not P
+    non-negative integers summing to N (on every rank, where the ranks pass different
+    `counts`).
 
     ```python
     import distop
@@ -502,10 +511,36 @@ def shard(n_samples: int, comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
     if int(n_samples) < 1:
         raise ValueError(f"shard(n_samples={n_samples}): need at least one sample.")
     n = int(n_samples)
-    per_rank = -(-n // size)
-    base, extra = divmod(n, size)
-    start = rank * base + min(rank, extra)
-    count = base + (rank < extra)
+    if counts is None:
+        base, extra = divmod(n, size)
+        shares = [base + (r < extra) for r in range(size)]
+    else:
+        shares = _checked_counts(n, counts, comm)
+    start, count, per_rank = sum(shares[:rank]), shares[rank], max(shares)
     indices = (start + np.arange(per_rank)) % n
     weights = (np.arange(per_rank) < count).astype(np.float64)
     return indices.astype(np.int64), weights
+
+
+def _checked_counts(n: int, counts: Sequence[int], comm: Any) -> list[int]:
+    """**Returns:** `counts` as a list of ints, after checking that they split `n`
+    samples over `comm`'s ranks alike on every rank.
+
+    **Raises:** `ValueError`, on every rank where the ranks disagree."""
+    size = comm.Get_size()
+    try:
+        shares = [operator.index(c) for c in counts]
+    except TypeError:
+        shares = []
+    where = f"shard(n_samples={n}, counts={list(counts)!r}) on rank {comm.Get_rank()}"
+    if len(shares) != size or min(shares) < 0 or sum(shares) != n:
+        raise ValueError(f"{where}: expected {size} non-negative integers (one per rank) "
+                         f"summing to {n}.")
+    if size > 1:  # (one reduction of two numbers: the ranks agree where max h == -max -h)
+        h = stable_hash(tuple(shares))
+        top = np.empty(2, np.int64)
+        comm.Allreduce(np.array([h, -h], np.int64), top, op=mpi().MAX)
+        if top[0] != -top[1]:
+            raise ValueError(f"{where}: the ranks passed different counts; pass the same "
+                             "counts on every rank.")
+    return shares

@@ -497,6 +497,22 @@ def test_shard_gives_every_rank_the_same_count():
         assert weighted == n * (n - 1) / 2
 
 
+def test_shard_takes_the_counts_it_is_given_a_rank_may_take_none():
+    counts = {1: [10], 2: [7, 0], 4: [4, 3, 3, 0]}.get(size, [1] * (size - 1) + [0])
+    n = sum(counts)
+    idx, w = distop.shard(n, comm, counts=counts)
+    assert len(idx) == len(w) == max(counts)  # (the same on every rank)
+    assert idx[w > 0].tolist() == list(range(sum(counts[:rank]), sum(counts[:rank + 1])))
+    assert sorted(sum(comm.allgather(idx[w > 0].tolist()), [])) == list(range(n))
+    for bad in ([n] * (size + 1), [n + 1] + [0] * (size - 1), [n + 1, -1] + [0] * (size - 2)):
+        raises(ValueError, "non-negative integers (one per rank) summing to",
+               lambda bad=bad: distop.shard(n, comm, counts=bad))
+    if size > 1:  # counts that differ between ranks raise on every rank
+        mine = [n] + [0] * (size - 1) if rank == 0 else [0] * (size - 1) + [n]
+        raises(ValueError, "the ranks passed different counts",
+               lambda: distop.shard(n, comm, counts=mine))
+
+
 def test_a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():
     from distop._compiler.stages import loops
     from distop._hostcalls import ffi as _ffi

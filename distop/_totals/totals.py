@@ -513,10 +513,11 @@ def shard(n_samples: int, comm: Any = None,
     n = int(n_samples)
     if counts is None:
         base, extra = divmod(n, size)
-        shares = [base + (r < extra) for r in range(size)]
+        start, count = rank * base + min(rank, extra), base + (rank < extra)
+        per_rank = -(-n // size)
     else:
         shares = _checked_counts(n, counts, comm)
-    start, count, per_rank = sum(shares[:rank]), shares[rank], max(shares)
+        start, count, per_rank = sum(shares[:rank]), shares[rank], max(shares)
     indices = (start + np.arange(per_rank)) % n
     weights = (np.arange(per_rank) < count).astype(np.float64)
     return indices.astype(np.int64), weights
@@ -526,21 +527,24 @@ def _checked_counts(n: int, counts: Sequence[int], comm: Any) -> list[int]:
     """**Returns:** `counts` as a list of ints, after checking that they split `n`
     samples over `comm`'s ranks alike on every rank.
 
-    **Raises:** `ValueError`, on every rank where the ranks disagree."""
+    **Raises:** `ValueError` on every rank, where counts are wrong on some rank or
+    differ between ranks (found by one reduction of three numbers)."""
     size = comm.Get_size()
     try:
         shares = [operator.index(c) for c in counts]
     except TypeError:
         shares = []
+    wrong = len(shares) != size or min(shares, default=0) < 0 or sum(shares) != n
+    h = stable_hash(tuple(shares))
+    top = np.array([h, -h, int(wrong)], np.int64)
+    if size > 1:  # (alike where max h == -max -h; wrong where some rank raised the flag)
+        mine, top = top, np.empty(3, np.int64)
+        comm.Allreduce(mine, top, op=mpi().MAX)
     where = f"shard(n_samples={n}, counts={list(counts)!r}) on rank {comm.Get_rank()}"
-    if len(shares) != size or min(shares) < 0 or sum(shares) != n:
+    if top[2]:
         raise ValueError(f"{where}: expected {size} non-negative integers (one per rank) "
-                         f"summing to {n}.")
-    if size > 1:  # (one reduction of two numbers: the ranks agree where max h == -max -h)
-        h = stable_hash(tuple(shares))
-        top = np.empty(2, np.int64)
-        comm.Allreduce(np.array([h, -h], np.int64), top, op=mpi().MAX)
-        if top[0] != -top[1]:
-            raise ValueError(f"{where}: the ranks passed different counts; pass the same "
-                             "counts on every rank.")
+                         f"summing to {n}{'' if wrong else ' (on some other rank)'}.")
+    if top[0] != -top[1]:
+        raise ValueError(f"{where}: the ranks passed different counts; pass the same "
+                         "counts on every rank.")
     return shares

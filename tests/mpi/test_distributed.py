@@ -507,10 +507,12 @@ def test_shard_takes_the_counts_it_is_given_a_rank_may_take_none():
     for bad in ([n] * (size + 1), [n + 1] + [0] * (size - 1), [n + 1, -1] + [0] * (size - 2)):
         raises(ValueError, "non-negative integers (one per rank) summing to",
                lambda bad=bad: distop.shard(n, comm, counts=bad))
-    if size > 1:  # counts that differ between ranks raise on every rank
+    if size > 1:  # counts that differ between ranks, or are wrong on one, raise on every rank
         mine = [n] + [0] * (size - 1) if rank == 0 else [0] * (size - 1) + [n]
         raises(ValueError, "the ranks passed different counts",
                lambda: distop.shard(n, comm, counts=mine))
+        mine = [n + 1] + [0] * (size - 1) if rank == size - 1 else counts
+        raises(ValueError, "summing to", lambda: distop.shard(n, comm, counts=mine))
 
 
 def test_a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_give():

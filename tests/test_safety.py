@@ -18,6 +18,7 @@ import distop
 from distop import _config
 from distop._mpi import runtime as _runtime
 from distop._mpi.launch import diagnose
+from distop._mpi.tracebacks import format_exception
 from distop._safety import watchdog as _watchdog
 from distop._safety.watchdog import State
 
@@ -134,7 +135,7 @@ def test_a_report_leaves_out_the_frames_of_every_module_of_distop():
     problem = distop.Problem(lambda x: {"y": _Raising()(x)}, {"x": np.ones(2)})
     with pytest.raises(distop.OperatorError) as caught:
         problem.run()
-    shown = _runtime.format_exception(caught.value)
+    shown = format_exception(caught.value)
     assert 'raise RuntimeError("disk quota exceeded")' in shown, shown
     assert f'File "{ROOT / "distop"}' not in shown, shown
     assert "inside distop left out]" in shown, shown

@@ -26,6 +26,7 @@ from ._errors import CollectiveMismatchError as CollectiveMismatchError
 from ._errors import ConvergenceError as ConvergenceError
 from ._errors import DerivativeCheckError as DerivativeCheckError
 from ._errors import DistopError as DistopError
+from ._errors import KindError as KindError
 from ._errors import LauncherMismatchError as LauncherMismatchError
 from ._errors import MissingMethodError as MissingMethodError
 from ._errors import MPIUnavailableError as MPIUnavailableError
@@ -33,8 +34,10 @@ from ._errors import OperatorError as OperatorError
 from ._errors import OrderedEffectError as OrderedEffectError
 from ._errors import ScheduleMismatchError as ScheduleMismatchError
 from ._errors import SecondDerivativeError as SecondDerivativeError
+from ._inference.transform import with_kinds as with_kinds
 from ._mpi import runtime as _runtime
 from ._operators.implicit import ImplicitOperator as ImplicitOperator
+from ._operators.kinds import Kind as Kind
 from ._operators.operator import DistributedOperator as DistributedOperator
 from ._problem.problem import Problem as Problem
 from ._problem.problem import empty as empty

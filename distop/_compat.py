@@ -135,3 +135,38 @@ def effect_refusing_rules() -> list[tuple[str, dict, Any]]:
     return [("checkpoint", partial_eval.custom_partial_eval_rules, remat_p),
             ("cond", batching.fancy_primitive_batchers, cond_p),
             ("while_loop", batching.fancy_primitive_batchers, while_p)]
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """**Returns:** how many constants and carried values a scan's body takes first."""
+    if "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def source_line(eqn: Any) -> str:
+    """**Returns:** where the user's code made `eqn` ("file:line (function)"), or ""
+    (no public name as of jax 0.12.0)."""
+    try:
+        from jax._src import source_info_util
+
+        return str(source_info_util.summarize(eqn.source_info))
+    except (ImportError, AttributeError):  # pragma: no cover - other jax releases
+        return ""
+
+
+def bind_equation(eqn: Any, values: list[Any]) -> list[Any]:
+    """Bind `eqn`'s primitive on `values` in the current trace, with its source and
+    context, as `jax.core.eval_jaxpr` does. **Returns:** its results, as a list.
+    (`get_bind_params` returned (functions, parameters) before jax 0.10 and the
+    parameters alone since; the source helpers have no public name as of jax 0.12.0.)"""
+    from jax._src import source_info_util
+
+    found = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = found if isinstance(found, tuple) else ((), found)
+    names = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=names),
+          eqn.ctx.manager):
+        out = eqn.primitive.bind(*subfuns, *values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]

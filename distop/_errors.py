@@ -128,3 +128,13 @@ class ConvergenceError(DistopError, RuntimeError):
     """
 
     result: Any = None
+
+
+class KindError(DistopError):
+    """The kinds of a model cannot tell whether a replicated value's derivative is the
+    sum of every rank's share.
+
+    That is where it meets the output of an operator that declares no `output_kinds`.
+    Raised when the model is traced (a Problem's construction), on every rank alike,
+    naming the operator, the jax.numpy operation and the fix.
+    """

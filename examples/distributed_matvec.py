@@ -35,6 +35,7 @@ class DistributedMatvec(distop.DistributedOperator):
     forward_collectives = ("Allreduce",)
     vjp_collectives = ("Allreduce",)
     jvp_collectives = ("Allreduce",)
+    output_kinds = "replicated"  # y is the same on every rank
     batched_vjp = True
     batched_jvp = True
     unbatched = "expand_dims"  # x as it is (a batch axis of 1), not copied K times

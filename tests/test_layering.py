@@ -24,6 +24,7 @@ LAYERS = (
     ("_hostcalls",),
     ("_operators",),
     ("_collectives",),
+    ("_inference",),
     ("_compiler.jaxprs",),
     ("_compiler.stages",),
     ("_compiler.passes",),

@@ -57,6 +57,9 @@ class AllreduceSum(DistributedOperator):
     ```
     """
 
+    input_kinds = "varying"
+    output_kinds = "replicated"
+
     forward_collectives = ("Allreduce",)
     jvp_collectives = ("Allreduce",)
     linear = True
@@ -100,6 +103,9 @@ class Allgather(DistributedOperator):
     **Raises:** nothing when made. A call raises as any operator's does (see
     `DistributedOperator`).
     """
+
+    input_kinds = "varying"
+    output_kinds = "replicated"
 
     forward_collectives = ("Allgather", "Allgatherv")
     vjp_collectives = ("Allgather",)
@@ -151,6 +157,8 @@ class Split(DistributedOperator):
     **Raises:** `ValueError` when traced, where `counts` does not give one count >= 0
     per rank adding up to N.
     """
+
+    output_kinds = "varying"
 
     counts: tuple[int, ...] | None = None
     vjp_collectives = ("Allgather", "Allgatherv")
@@ -210,6 +218,9 @@ class Alltoall(DistributedOperator):
     add up to M.
     """
 
+    input_kinds = "varying"
+    output_kinds = "varying"
+
     counts: tuple[int, ...] | None = None
     forward_collectives = ("Allgather", "Alltoallv")
     vjp_collectives = ("Allgather", "Alltoallv")
@@ -267,6 +278,9 @@ class Broadcast(DistributedOperator):
     `DistributedOperator`).
     """
 
+    input_kinds = "varying"
+    output_kinds = "replicated"
+
     root: int = 0
     forward_collectives = ("Bcast",)
     jvp_collectives = ("Bcast",)
@@ -309,6 +323,8 @@ class RankLocal(DistributedOperator):
     **Raises:** nothing when made. A call raises as any operator's does (see
     `DistributedOperator`).
     """
+
+    output_kinds = "varying"
 
     vjp_collectives = ("Allreduce",)
     linear = True

@@ -106,6 +106,9 @@ class HaloExchange(DistributedOperator):
     ```
     """
 
+    input_kinds = "varying"
+    output_kinds = "varying"
+
     width: int = 1
     boundary: str = "zero"
     forward_collectives = ("allgather", "Isend", "Irecv")

@@ -75,6 +75,9 @@ class Allreduce(DistributedOperator):
     `"min"` of complex values.
     """
 
+    input_kinds = "varying"
+    output_kinds = "replicated"
+
     op: str = "sum"
     linear = True  # (with op="sum" only: see `is_linear`)
     complex_step = True  # (not with max or min: see `takes_complex_step`)
@@ -176,6 +179,9 @@ class Scan(DistributedOperator):
     `DistributedOperator`).
     """
 
+    input_kinds = "varying"
+    output_kinds = "varying"
+
     forward_collectives = ("Scan",)
     vjp_collectives = ("Scan", "Split")
     jvp_collectives = ("Scan",)
@@ -217,6 +223,9 @@ class Exscan(DistributedOperator):
     **Raises:** nothing when made. A call raises as any operator's does (see
     `DistributedOperator`).
     """
+
+    input_kinds = "varying"
+    output_kinds = "varying"
 
     forward_collectives = ("Exscan",)
     vjp_collectives = ("Exscan", "Split")

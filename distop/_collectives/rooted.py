@@ -84,6 +84,9 @@ class Reduce(DistributedOperator):
     communicator.
     """
 
+    input_kinds = "varying"
+    output_kinds = "varying"
+
     root: int = 0
     forward_collectives = ("Reduce",)
     vjp_collectives = ("Bcast",)
@@ -138,6 +141,9 @@ class Gather(DistributedOperator):
     **Raises:** `ValueError` when traced, where `root` is not a rank of the
     communicator.
     """
+
+    input_kinds = "varying"
+    output_kinds = "varying"
 
     root: int = 0
     forward_collectives = ("Allgather", "Gatherv")
@@ -198,6 +204,9 @@ class Scatter(DistributedOperator):
     **Raises:** `ValueError` when traced, where `root` is not a rank, the input is 0-d,
     or `counts` does not add up to N.
     """
+
+    input_kinds = "varying"
+    output_kinds = "varying"
 
     root: int = 0
     counts: tuple[int, ...] | None = None

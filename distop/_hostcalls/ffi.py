@@ -372,6 +372,30 @@ class tracing:
         self.key.__exit__(*exc)
 
 
+class paused(tracing):
+    """Context manager: trace a model for its structure only (its kinds), never to be
+    run: without the lean path, every call unordered (JAX then refuses none inside its
+    own transformations). A setting of its own keeps JAX from reusing bodies traced
+    here in a session's program."""
+
+    def __init__(self) -> None:
+        self.session = None  # type: ignore[assignment]
+        self.key = lean_session(next(_sessions))
+
+    def __enter__(self) -> Session:
+        _state.structure_only = getattr(_state, "structure_only", 0) + 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        _state.structure_only -= 1
+
+
+def structure_only() -> bool:
+    """Whether the trace under way is for its structure only (see `paused`)."""
+    return bool(getattr(_state, "structure_only", 0))
+
+
 def chained(closed_jaxpr: ClosedJaxpr) -> bool:
     """Whether the lean calls of a traced program form ONE unbroken token chain.
 

@@ -76,6 +76,16 @@ class DistributedOperator(eqx.Module):
       formulas on them and returns complex outputs (no `abs`, `conj`, `real` or
       comparisons of them). `check_totals(method="cs")` may then perturb it along the
       imaginary axis. Default False.
+    - `output_kinds`: whether each output is the same on every rank (`"replicated"`)
+      or each rank's own (`"varying"`): one kind for all outputs, or a tuple with one
+      per output. Default None: undeclared. A Problem (and `with_kinds`) then knows
+      nothing of the output, which is fine until it meets a replicated value that
+      carries a derivative: there the Problem raises when made, asking for it.
+    - `input_kinds`: `"varying"` for an input that takes each rank's own value and
+      whose cotangent `vjp` returns as this rank's share (as `AllreduceSum`'s does): a
+      replicated value passed there then gets its cotangent summed over the ranks.
+      Default None (for all inputs, or in a tuple for one): `vjp` returns the input's
+      whole cotangent itself, as every operator written before kinds existed does.
 
     A method may take a keyword `out`.
     On the lean path distop passes the buffers its results go to (XLA's own, valid
@@ -141,6 +151,8 @@ class DistributedOperator(eqx.Module):
     unbatched: ClassVar[str] = "broadcast"
     linear: ClassVar[bool] = False
     complex_step: ClassVar[bool] = False
+    output_kinds: ClassVar[Any] = None
+    input_kinds: ClassVar[Any] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -309,6 +321,8 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     # process or for a purely local operator: XLA would run independent unordered
     # callbacks on several threads at once, which then wait for each other's GIL.)
     lean = _ffi.session() is not None and explicit_order(op) is not False
+    if _ffi.structure_only():  # (traced for its kinds, never run)
+        ordered = False
     call = HostCall(op, "forward", _comm.private(op.comm), ordered or lean, in_specs,
                     out_specs, lean=lean)
     outs = _bind(call, arrays)

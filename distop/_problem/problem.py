@@ -21,6 +21,7 @@ from .._compiler.tracing import FDOptions, TotalsOptions
 from .._config import env_flag
 from .._diagnostics import profile as _profile
 from .._errors import DistopError, MissingMethodError, OrderedEffectError, SecondDerivativeError
+from .._inference.transform import Inference
 from .._totals import assembly as _assembly
 from .._totals import totals as _totals
 from .arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
@@ -154,7 +155,11 @@ class Problem:
         self._coordinator.widen([int(top[0])])
         self._fuse = fused
         self.input_names = tuple(self._point)
-        self._programs = Programs(model, self._coordinator, self.backend, self.fuse, size)
+        # (the model's kinds: where a replicated input meets varying data, its
+        # cotangent is summed over the ranks; see `_inference`)
+        inference = Inference(comm, self.distributed, agree_at_trace=False)
+        self._programs = Programs(inference.wrap(model), self._coordinator, self.backend,
+                                  self.fuse, size, inference.settle)
         self._executor = Executor(self._coordinator)
         # (the options that shape the programs are part of the first request)
         layout = self._programs.layout(self._point, ("Problem", f"backend={self.backend}",

@@ -429,32 +429,28 @@ def raises(exc, text, fn):
         raise AssertionError(f"no {exc.__name__}")
 
 
-def test_a_replicated_input_without_rank_local_raises_instead_of_differing_between_ranks():
-    # xs is replicated, xd and y distributed: each rank's cotangent of xs is its share
+def test_a_replicated_input_added_into_distributed_computation_needs_no_rank_local():
+    # xs is replicated, xd and y distributed: where xs meets xd, each rank's cotangent
+    # of xs is its share, and the kinds sum the shares, as RankLocal would
     xd, xs = mine(np.arange(N, dtype=float)), np.array([1.0, 2.0])
-    problem = distop.Problem(lambda xd, xs: {"y": xd ** 2 + jnp.sum(xs ** 2)},
+    problem = distop.Problem(lambda xd, xs: {"y": xd ** 2 + jnp.sum(xs ** 2),
+                                             "s": distop.AllreduceSum()(jnp.sum(xd) * xs[0])},
                              {"xd": xd, "xs": xs}, distributed={"xd", "y"})
-    if size > 1:
-        raises(distop.DistopError, "differ between ranks", problem.compute_totals)
-    else:  # (one process: its share is the whole)
-        all_close_everywhere(comm, problem.compute_totals()["y", "xs"], [[2.0, 4.0]] * N)
-    # (in the local format each rank keeps its own rows of y, which may differ)
-    all_close_everywhere(comm, problem.compute_totals(return_format="local")["y", "xs"],
-                         np.tile([[2.0, 4.0]], (COUNTS[rank], 1)))
-    # forward sweeps seed a replicated input on every rank: whole derivatives already
-    all_close_everywhere(comm, problem.compute_totals(direction="fwd")["y", "xs"],
-                         np.tile([[2.0, 4.0]], (N, 1)))
 
-    # with RankLocal each rank gets the whole derivative, the same everywhere
-    def fixed_model(xd, xs):
+    def with_rank_local(xd, xs):  # (explicit: not summed twice)
         xl = distop.RankLocal()(xs)
         return {"y": xd ** 2 + jnp.sum(xl ** 2), "s": distop.AllreduceSum()(jnp.sum(xd) * xl[0])}
 
-    fixed = distop.Problem(fixed_model, {"xd": xd, "xs": xs}, distributed={"xd", "y"})
-    for direction in ("rev", "fwd"):
-        J = fixed.compute_totals(direction=direction)
-        all_close_everywhere(comm, J["y", "xs"], np.tile([[2.0, 4.0]], (N, 1)))
-        all_close_everywhere(comm, J["s", "xs"], [[np.arange(N).sum(), 0.0]])
+    explicit = distop.Problem(with_rank_local, {"xd": xd, "xs": xs}, distributed={"xd", "y"})
+    for p in (problem, explicit):
+        for direction in ("rev", "fwd"):
+            J = p.compute_totals(direction=direction)
+            all_close_everywhere(comm, J["y", "xs"], np.tile([[2.0, 4.0]], (N, 1)))
+            all_close_everywhere(comm, J["s", "xs"], [[np.arange(N).sum(), 0.0]])
+        # (in the local format each rank keeps its own rows of y)
+        all_close_everywhere(comm, p.compute_totals(return_format="local")["y", "xs"],
+                             np.tile([[2.0, 4.0]], (COUNTS[rank], 1)))
+        p.check_totals(raise_on_error=True, out_stream=None)
 
 
 def test_bad_input_raises_on_every_rank():

@@ -1,0 +1,229 @@
+"""`with_kinds`: a function whose derivatives are right across ranks without `RankLocal`,
+and the `Inference` a Problem runs its model through.
+
+Each time the function is traced, its jaxpr is traced once more on its own and walked
+(`analyse`): its arguments are varying where declared distributed and replicated
+otherwise, its constants by whether they are the same on every rank (`agree`). Where no
+replicated value meets varying data, the function is called as it is; else its jaxpr is
+run again with `vary` at each such place (`emit`).
+"""
+
+import functools
+import inspect
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._agreement import comm as _comm
+from .._agreement.coordinator import stable_hash
+from .._collectives.basic import AllreduceSum
+from .._errors import DistopError
+from .._hostcalls import ffi as _ffi
+from .analysis import REPLICATED, VARYING, Info, analyse
+from .emit import emit
+
+
+def with_kinds(fn: Callable[..., Any], distributed: str | int | Iterable[str | int] = (),
+               *, comm: Any = None) -> Callable[..., Any]:
+    """`fn` with every replicated value's cotangent summed over the ranks where it meets
+    varying data, as a data-parallel gradient needs.
+
+    In plain JAX, `jax.grad` of a function that multiplies a replicated parameter by
+    each rank's own data and sums the loss with `AllreduceSum` gives each rank its own
+    share of the gradient, not the sum. `with_kinds` finds, when `fn` is traced, which
+    values are the same on every rank (replicated) and which differ (varying), and
+    passes each replicated value through `vary` where it meets varying data: the
+    identity, whose transpose is the sum over the ranks (as `RankLocal`, and JAX's own
+    `pvary` in `shard_map`). A `Problem` does this to its model by itself.
+
+    Kinds come from the arguments (varying where named in `distributed`, replicated
+    otherwise), the constants the function closes over (varying where they differ
+    between ranks: one small collective per trace compares them), the operators'
+    declared kinds (see `DistributedOperator`), and jax.numpy's rule: a result is
+    varying where an operand is. Loops, branches, checkpoints and inner jits are entered.
+
+    **Arguments:**
+    - `fn`: the function; its arguments are arrays or pytrees of arrays.
+    - `distributed`: the arguments that differ between ranks (each rank's own data), by
+      name or position.
+    - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
+
+    **Returns:** a function with `fn`'s signature and values, to pass to `jax.jit`,
+    `jax.grad` or `jax.value_and_grad`. Trace it on every rank alike, as any collective
+    (tracing compares the constants).
+
+    **Raises:** when traced, `KindError` (a `DistopError`) where a replicated value
+    that carries a derivative meets the output of an operator that declares no kinds,
+    naming both; `DistopError` where the ranks close over different numbers of
+    constants.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from mpi4py import MPI
+
+    import distop
+
+    jax.config.update("jax_enable_x64", True)
+    x_local = np.arange(3.0) + 3 * MPI.COMM_WORLD.Get_rank()  # this rank's data
+    total = distop.AllreduceSum()
+    loss = distop.with_kinds(lambda w: total(jnp.sum(w * x_local)))
+    grad = jax.jit(jax.grad(loss))(jnp.ones(3))  # the sum of every rank's x_local
+    assert np.allclose(grad, MPI.COMM_WORLD.allreduce(x_local))
+    ```
+    """
+    inference = Inference(comm, distributed, agree_at_trace=True)
+    return inference.wrap(fn)
+
+
+class Inference:
+    """Kind inference for one function and communicator.
+
+    **Arguments:**
+    - `comm`: the communicator, or None for `MPI.COMM_WORLD`.
+    - `distributed`: the varying arguments, by name or position.
+    - `agree_at_trace`: whether each trace compares the constants across ranks at once
+      (`with_kinds`); else constants not seen before count as replicated until
+      `settle` compares them, which a Problem calls where every rank is (after its run
+      program is traced).
+    """
+
+    def __init__(self, comm: Any, distributed: Any, agree_at_trace: bool) -> None:
+        self.comm = _comm.private(comm)
+        names = [distributed] if isinstance(distributed, (str, int)) else list(distributed)
+        self.distributed = frozenset(names)
+        self.agree_at_trace = agree_at_trace
+        self.total = AllreduceSum(comm=comm)
+        self.kinds: dict[int, int] = {}  # a constant's hash -> its kind, as agreed
+        self.pending: list[int] = []  # hashes not agreed yet (see `settle`)
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """**Returns:** `fn`, traced through this inference."""
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return self.call(fn, args, kwargs)
+        return wrapped
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Call `fn`, with `vary` where its kinds say."""
+        if self.comm.Get_size() == 1:  # (a sum over one rank is the identity)
+            return fn(*args, **kwargs)
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        kinds = jax.tree.leaves(self._argument_kinds(fn, args, kwargs))
+        out_tree: list[Any] = []
+
+        def flat(*values: Any) -> list[Any]:
+            a, k = jax.tree.unflatten(tree, values)
+            out, found = jax.tree.flatten(fn(*a, **k))
+            out_tree.append(found)
+            return out
+
+        try:
+            with _ffi.paused():
+                closed = jax.make_jaxpr(flat)(*leaves)
+        except Exception:  # noqa: BLE001 - the call below raises the model's own error
+            return fn(*args, **kwargs)
+        consts = self._constant_kinds(closed.consts)
+        ins = [Info(kind, True) for kind in kinds]
+        _, plan = analyse(closed.jaxpr, ins, consts)
+        if not plan.varies:
+            return fn(*args, **kwargs)
+        outs = emit(closed.jaxpr, closed.consts, leaves, plan, self.total)
+        return jax.tree.unflatten(out_tree[0], outs)
+
+    def _argument_kinds(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """**Returns:** `(args, kwargs)` with each leaf replaced by its kind."""
+        named: set[str | int] = set()
+        if any(isinstance(d, str) for d in self.distributed):
+            try:
+                bound = inspect.signature(fn).bind(*args, **kwargs)
+            except (TypeError, ValueError):
+                bound = None
+            if bound is not None:
+                named = {k for k in bound.arguments if k in self.distributed}
+                params = list(inspect.signature(fn).parameters)
+                named |= {i for i, k in enumerate(params[:len(args)]) if k in named}
+
+        def kind(value: Any, varying: bool) -> Any:
+            return jax.tree.map(lambda _: VARYING if varying else REPLICATED, value)
+
+        marked = tuple(kind(a, i in self.distributed or i in named)
+                       for i, a in enumerate(args))
+        return marked, {k: kind(v, k in self.distributed) for k, v in kwargs.items()}
+
+    def _constant_kinds(self, consts: list[Any]) -> list[Info]:
+        """**Returns:** the `Info` of each constant: varying where its value differs
+        between ranks (compared now, or at `settle`, as `agree_at_trace` says); a value
+        of an enclosing trace counts as replicated."""
+        hashes = [None if isinstance(c, jax.core.Tracer) else _content_hash(c)
+                  for c in consts]
+        if self.agree_at_trace:
+            known = [h for h in hashes if h is not None]
+            kinds = dict(zip(known, agree(self.comm, known, strict=True)))
+        else:
+            kinds = self.kinds
+            self.pending.extend(h for h in hashes if h is not None and h not in kinds)
+        return [Info(kinds.get(h, REPLICATED) if h is not None else REPLICATED)
+                for h in hashes]
+
+    def settle(self, most: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Compare the constants met since the last call across ranks (collective: every
+        rank calls it at the same point), with `most` (the elementwise max over ranks)."""
+        pending, self.pending = self.pending, []
+        self.kinds.update(zip(pending, agree(self.comm, pending, most=most)))
+
+
+def agree(comm: Any, hashes: list[int], strict: bool = False,
+          most: Callable[[np.ndarray], np.ndarray] | None = None) -> list[int]:
+    """Find which of a list of constants differ between ranks, from their hashes.
+
+    One reduction of four numbers where every rank holds the same; a second one, of two
+    numbers per constant, names those that differ.
+
+    **Arguments:**
+    - `comm`: the communicator.
+    - `hashes`: this rank's hash of each constant, in the order of the trace.
+    - `strict`: raise where the ranks hold different numbers of constants (else they
+      count as replicated, and the Problem's check of its first totals is the net).
+    - `most`: the elementwise max over ranks of an int64 vector (default: an Allreduce
+      on `comm`).
+
+    **Returns:** the kind of each constant.
+    """
+    if comm.Get_size() == 1:
+        return [REPLICATED] * len(hashes)
+    most = most or functools.partial(_most, comm)
+    n, whole = len(hashes), stable_hash(tuple(hashes))
+    top = most(np.array([n, -n, whole, -whole], np.int64))
+    if top[0] != -top[1]:
+        if strict:
+            raise DistopError(
+                f"with_kinds: the ranks' functions close over different numbers of "
+                f"constants (from {-top[1]} to {top[0]}; this rank {n}): pass the data that "
+                "differs between ranks as arguments named in distributed=.")
+        return [REPLICATED] * n
+    if top[2] == -top[3]:
+        return [REPLICATED] * n
+    each = np.array(hashes, np.int64)
+    top = most(np.concatenate([each, -each]))
+    return [REPLICATED if high == -low else VARYING for high, low in zip(top[:n], top[n:])]
+
+
+def _most(comm: Any, vector: np.ndarray) -> np.ndarray:
+    from mpi4py import MPI
+
+    found = np.empty_like(vector)
+    comm.Allreduce(vector, found, op=MPI.MAX)
+    return found
+
+
+def _content_hash(value: Any) -> int:
+    """**Returns:** a hash of an array's shape, dtype and bytes, the same in every
+    process for the same value."""
+    array = np.ascontiguousarray(np.asarray(value))
+    data = array.tobytes()
+    return stable_hash((array.shape, array.dtype.str, zlib.crc32(data), zlib.adler32(data)))

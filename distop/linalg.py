@@ -417,7 +417,9 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
     iterations minimize, and the stopping rule ||b - A x|| <= max(rtol * ||b||, atol),
     is that of the true residual; it is checked on b - A x itself after each cycle. A
     cycle's update is taken only where it makes that residual smaller, so the result is
-    never worse than the best iterate, `x0` included.
+    never worse than the best iterate, `x0` included. Where it does not, a cautious
+    update from fewer of the cycle's basis vectors may be tried, at one more call of
+    `precondition` and of `matvec`.
 
     **Arguments:**
     - `comm`: the mpi4py communicator, or None for one process (as in `cg`).
@@ -466,37 +468,45 @@ def gmres(comm: Any, matvec: Block, b: np.ndarray, x0: np.ndarray | None = None,
         iterations += step.count
         if why is not None:
             break
-        stagnation = (f"stagnation at iteration {iterations}: a whole cycle of at most "
-                      f"{restart} iterations left the residual no smaller ({r_norm:.3e} "
-                      "before it), so the next would too; the operator may be singular or "
-                      "too indefinite for this restart")
-        if not step.estimate < r_norm:  # (checked before the update: it is not taken)
-            why = stagnation
+        # The first update that makes the true residual smaller is taken.
+        # One whose estimate is no lower is not tried.
+        # Where none is taken, x stays: it is the best iterate.
+        why = step.unmet or (
+            f"stagnation at iteration {iterations}: a whole cycle of at most {restart} "
+            f"iterations left the residual no smaller ({r_norm:.3e} before it), so the "
+            "next would too; the operator may be singular or too indefinite for this "
+            "restart")
+        for coefficients, estimate in step.choices:
+            if not estimate < r_norm:
+                continue
+            update, failure = solve.prepare(coefficients @ basis[:coefficients.shape[0]])
+            candidate = x + update
+            r_next, r_next_norm = solve.residual(b, candidate, failure)
+            if not math.isfinite(r_next_norm):
+                why = _NAN_WHY.format(iterations)
+            elif r_next_norm <= solve.tolerance or r_next_norm < r_norm:
+                x, r, r_norm, why = candidate, r_next, r_next_norm, None
+                break
+        if why is not None:
             break
-        used = step.coefficients.shape[0]
-        update, failure = solve.prepare(step.coefficients @ basis[:used])
-        candidate = x + update
-        r_next, r_next_norm = solve.residual(b, candidate, failure)
-        if not math.isfinite(r_next_norm):  # (x, the best iterate, stays)
-            why = _NAN_WHY.format(iterations)
-            break
-        if not (r_next_norm <= solve.tolerance or r_next_norm < r_norm):
-            # rounding made the true residual worse: keep the best iterate, x
-            why = stagnation
-            break
-        x, r, r_norm = candidate, r_next, r_next_norm
     return solve.end(x, iterations, r_norm, why, fix, raise_on_failure)
 
 
 @dataclasses.dataclass
 class _Step:
-    """One GMRES cycle: its iterations, the coefficients of its first basis vectors
-    (fewer than `count` where the triangle is singular to working precision), and the
-    residual norm they reach by the cycle's own estimate."""
+    """One GMRES cycle: its iterations and the updates it offers, best first.
+
+    Each choice is the coefficients of the first basis vectors, with the residual norm
+    they reach by the cycle's own estimate.
+    There are fewer coefficients than `count` where the triangle is singular to working
+    precision.
+    `unmet` says why the solve stops where no choice lowers the true residual (None:
+    stagnation).
+    """
 
     count: int
-    coefficients: np.ndarray
-    estimate: float = math.inf
+    choices: list[tuple[np.ndarray, float]] = dataclasses.field(default_factory=list)
+    unmet: str | None = None
 
 
 def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
@@ -513,14 +523,16 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
     - `iterations`: the iterations made before the cycle.
     - `eps`: the working dtype's machine epsilon.
 
-    **Returns:** (the step to take, None), or (an empty step, why it broke down).
+    **Returns:** (the step with its choices, None), or (a step with none, why it broke
+    down).
     """
     restart = basis.shape[0] - 1
     basis[0] = r / r_norm
     g = [r_norm]  # the right-hand side of the small least-squares problem, rotated
     columns: list[list[float]] = []  # the rotated Hessenberg matrix, by columns
     rotations: list[tuple[float, float]] = []
-    count, scale = 0, 0.0  # scale: the largest column norm of the Hessenberg matrix
+    norms: list[float] = []  # the Hessenberg matrix's column norms, before the rotations
+    count, scale = 0, 0.0  # scale: the largest of them
     for j in range(min(restart, solve.maxiter - iterations)):
         z, failure = solve.prepare(basis[j])
         w, failure_w = solve.apply(z)
@@ -538,8 +550,9 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         column = [float(v) for v in h + h2]
         h_next = math.sqrt(left) if left > 0.0 else 0.0 if left == 0.0 else math.nan
         if not (math.isfinite(h_next) and math.isfinite(ww) and all(map(math.isfinite, column))):
-            return _Step(0, np.zeros(0)), _NAN_WHY.format(iterations + count)
-        scale = max(scale, math.sqrt(sum(v * v for v in column) + h_next * h_next))
+            return _Step(0), _NAN_WHY.format(iterations + count)
+        norms.append(math.sqrt(sum(v * v for v in column) + h_next * h_next))
+        scale = max(scale, norms[-1])
         for i, (c, s) in enumerate(rotations):
             column[i], column[i + 1] = c * column[i] + s * column[i + 1], \
                 -s * column[i] + c * column[i + 1]
@@ -553,23 +566,36 @@ def _cycle(solve: _Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         count += 1
         # the Krylov space holds A's image of itself, to rounding: the cycle is exact
         invariant = h_next <= 4.0 * eps * math.sqrt(max(ww, 0.0))
-        singular = d <= 4.0 * eps * scale  # (the back substitution stops before it)
+        # a pivot tiny beside the largest column: the fallback choice stops before it
+        singular = d <= 4.0 * eps * scale
         if invariant or singular or abs(g[j + 1]) <= solve.tolerance or j + 1 == restart:
             break
         basis[j + 1] = w / h_next
-    # A pivot tiny beside the columns (A M singular to working precision) would give
-    # huge coefficients that cancel only in exact arithmetic: keep the columns before
-    # the first one. Their triangle and rotated right-hand side are final, and the
-    # least-squares residual over them is the norm of the rest of g.
-    used = next((i for i in range(count) if abs(columns[i][i]) <= 4.0 * eps * scale), count)
+    # A pivot tiny beside its own column (that column nearly in the span of those before
+    # it) would give huge coefficients that cancel only in exact arithmetic. The choice
+    # keeps the columns before the first one. Their triangle and rotated right-hand side
+    # are final, and the least-squares residual over them is the norm of the rest of g.
+    # The rotations keep each column's rounding small beside that column's own norm.
+    # So a column small beside the others is still exact enough where A M is only badly
+    # scaled (a preconditioner that scales some entries by far less than eps).
+    # A small column may also be rounding noise of matvec or the preconditioner, which
+    # no column can show (a nearly singular preconditioner). The fallback choice keeps
+    # only the columns before the first pivot tiny beside the largest column norm.
+    breakdown = (f"breakdown at iteration {iterations + count}: the preconditioned "
+                 "operator maps the residual to (nearly) zero, so it is singular to "
+                 "working precision (check the preconditioner too)")
+    used = next((i for i in range(count) if abs(columns[i][i]) <= 4.0 * eps * norms[i]),
+                count)
     if used == 0:
-        return _Step(count, np.zeros(0)), (
-            f"breakdown at iteration {iterations + count}: the preconditioned operator "
-            "maps the residual to (nearly) zero, so it is singular to working precision "
-            "(check the preconditioner too)")
-    y = [0.0] * used
-    for i in reversed(range(used)):
-        rest = sum(columns[k][i] * y[k] for k in range(i + 1, used))
-        y[i] = (g[i] - rest) / columns[i][i]
-    estimate = math.sqrt(sum(v * v for v in g[used:]))
-    return _Step(count, np.array(y, dtype=basis.dtype), estimate), None
+        return _Step(count), breakdown
+    cautious = next((i for i in range(used) if abs(columns[i][i]) <= 4.0 * eps * scale),
+                    used)
+    step = _Step(count, unmet=breakdown if cautious == 0 else None)
+    for k in sorted({used, cautious} - {0}, reverse=True):
+        y = [0.0] * k
+        for i in reversed(range(k)):
+            rest = sum(columns[m][i] * y[m] for m in range(i + 1, k))
+            y[i] = (g[i] - rest) / columns[i][i]
+        estimate = math.sqrt(sum(v * v for v in g[k:]))
+        step.choices.append((np.array(y, dtype=basis.dtype), estimate))
+    return step, None

@@ -133,7 +133,7 @@ def _equation(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]
         places = tuple(replicated_live)
     elif result.kind == UNKNOWN and replicated_live:
         result = Info(MIXED, True, (result.source[0], _where(eqn)))
-    inner_calls = any(_holds_calls(j) for j in _jaxprs(eqn.params))
+    inner_calls = holds_calls(eqn)
     return [result] * n_out, Step(vary=places), inner_calls
 
 
@@ -257,11 +257,11 @@ def _jaxprs(params: dict) -> list[Any]:
     return found
 
 
-def _holds_calls(jaxpr: Any) -> bool:
-    """Whether `jaxpr` holds an operator call at any depth."""
-    inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    return any(e.primitive.name == "distop_host_call" or any(
-        _holds_calls(j) for j in _jaxprs(e.params)) for e in inner.eqns)
+def holds_calls(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is an operator call or holds one in a body, at any depth."""
+    return eqn.primitive.name == "distop_host_call" or any(
+        holds_calls(e) for j in _jaxprs(eqn.params)
+        for e in (j.jaxpr if isinstance(j, ClosedJaxpr) else j).eqns)
 
 
 def _where(eqn: JaxprEqn) -> str:

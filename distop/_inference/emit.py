@@ -16,9 +16,10 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from .._compat import bind_equation, scan_counts
+from .._errors import DistopError
 from .._operators.kinds import vary
 from .._operators.operator import apply
-from .analysis import INLINED, Plan
+from .analysis import INLINED, Plan, holds_calls
 
 
 def emit(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
@@ -53,6 +54,13 @@ def emit(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
             outs = list(found) if isinstance(found, tuple) else [found]
         elif step.subs is not None:
             outs = _afresh(eqn, values, step.subs, total)
+        elif holds_calls(eqn):
+            raise DistopError(
+                f"distop cannot run a model whose `{name}` holds operator calls again with "
+                "the sums over the ranks its kinds need (a Problem's model, or "
+                "distop.with_kinds). Pass the replicated value through "
+                "distop.RankLocal() where it meets data that varies between ranks, or "
+                f"move the operator calls out of the `{name}`.")
         else:
             outs = bind_equation(eqn, values)
         env.update(zip(eqn.outvars, outs))

@@ -181,3 +181,39 @@ def test_compute_totals_makes_no_collective_of_its_own_for_the_kinds():
             assert tally.calls["operator"] == {"Allreduce": 1}, tally
     finally:
         counted.Free()
+
+
+def _with_rank_local(fn, names):
+    """`fn(**inputs)` with the replicated inputs `names` passed through RankLocal first."""
+    def model(**inputs):
+        return fn(**{k: distop.RankLocal()(v) if k in names else v for k, v in inputs.items()})
+    return model
+
+
+# Models in the manner of OpenMDAO's distributed-derivative tests: a replicated input
+# added or multiplied straight into distributed computation (x distributed, a and b
+# replicated), with distributed and replicated outputs. (Every use of a and b meets x:
+# the RankLocal version is then exact.)
+DISTRIBUTED_MODELS = {
+    "added": lambda x, a, b: {"y": x * a[0] + b[1], "s": total(jnp.sum(x ** 2) * b[0])},
+    "scaled": lambda x, a, b: {"y": jnp.sin(x) * jnp.sum(a * b),
+                               "s": total(jnp.sum(jnp.cos(x * a[1])))},
+    "broadcast": lambda x, a, b: {"y": x[:, None] * a[None, :] + b[None, :],
+                                  "s": total(jnp.sum(x * a[0]))},
+}
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTED_MODELS))
+def test_replicated_inputs_in_distributed_computation_match_rank_local(name):
+    fn = DISTRIBUTED_MODELS[name]
+    x = np.linspace(0.1, 0.9, (3, 0, 2, 1)[rank % 4] if size > 1 else 4) + rank
+    point = {"x": x, "a": np.array([0.7, -1.3]), "b": np.array([0.2, 0.5])}
+    inferred = distop.Problem(fn, point, distributed={"x", "y"})
+    explicit = distop.Problem(_with_rank_local(fn, {"a", "b"}), point, distributed={"x", "y"})
+    for options in ({}, {"direction": "fwd"}, {"return_format": "local"}):
+        got, want = inferred.compute_totals(**options), explicit.compute_totals(**options)
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-13, atol=1e-15,
+                                       err_msg=f"{key} {options}")
+    inferred.check_totals(raise_on_error=True, out_stream=None)

@@ -46,6 +46,7 @@ def test_cases_with_jax_async_dispatch(nprocs):
 
 
 PLOT = importlib.util.find_spec("matplotlib") is not None
+OPTAX = importlib.util.find_spec("optax") is not None  # (the examples extra brings it)
 # each test's runs of the examples: the runs of each rank count share one launch of
 # tests/mpi_examples.py (see `example`)
 SMALL = [
@@ -56,6 +57,7 @@ SMALL = [
 POISSON = [(2, "14,10"), (4, "7,0,10,7")]
 HEAT = [(2, 0), (4, 8)]
 OPTIMIZE = [(1, ""), (2, "9,7"), (4, "5,0,7,4")]
+DATA_PARALLEL = [(1, ""), (2, "8,0"), (4, "4,3,3,0")]
 LOAD_IMBALANCE = [(2, 1, where) for where in ("method", "jax", "outside")] + [
     (4, 2, where) for where in ("method", "jax", "outside")]
 
@@ -68,6 +70,8 @@ def _runs(nprocs, folder):
              for n, every in HEAT if n == nprocs]
     runs += [("optimize", ("--split", split) if split else ())
              for n, split in OPTIMIZE if n == nprocs]
+    runs += [("data_parallel", ("--split", split) if split else ())
+             for n, split in DATA_PARALLEL if n == nprocs and OPTAX]
     runs += [("load_imbalance", ("--where", where, "--slow-rank", slow, "--factor", 4,
                                  "--repeat", 8, "--trace", folder / f"trace-{n}-{where}.json",
                                  *(("--plot", folder / "profile.png")
@@ -145,6 +149,19 @@ def test_optimize_example_takes_the_same_steps_on_any_number_of_ranks(example):
         assert error and float(error.group(1)) <= 1e-8, out
         found.append(re.search(r"(\d+) iterations", out).group(1))
     assert len(set(found)) == 1, found
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.skipif(not OPTAX, reason="needs optax (the examples extra)")
+@pytest.mark.parametrize("nprocs, split", DATA_PARALLEL)
+def test_data_parallel_example_trains_as_one_process_does(nprocs, split, example):
+    codes, out = example("data_parallel", nprocs)
+    assert codes == [0] * nprocs, out
+    across = re.search(r"^parameters across ranks: max difference (\S+)$", out, re.MULTILINE)
+    assert across and float(across.group(1)) == 0.0, out
+    against = re.search(r"^against one process, full batch: max difference (\S+)$", out,
+                        re.MULTILINE)
+    assert against and float(against.group(1)) <= 1e-12, out
 
 
 def test_watchdog_kills_a_hung_job(tmp_path):

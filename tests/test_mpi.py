@@ -46,7 +46,6 @@ def test_cases_with_jax_async_dispatch(nprocs):
 
 
 PLOT = importlib.util.find_spec("matplotlib") is not None
-OPTAX = importlib.util.find_spec("optax") is not None  # (the examples extra brings it)
 # each test's runs of the examples: the runs of each rank count share one launch of
 # tests/mpi_examples.py (see `example`)
 SMALL = [
@@ -71,7 +70,7 @@ def _runs(nprocs, folder):
     runs += [("optimize", ("--split", split) if split else ())
              for n, split in OPTIMIZE if n == nprocs]
     runs += [("data_parallel", ("--split", split) if split else ())
-             for n, split in DATA_PARALLEL if n == nprocs and OPTAX]
+             for n, split in DATA_PARALLEL if n == nprocs]
     runs += [("load_imbalance", ("--where", where, "--slow-rank", slow, "--factor", 4,
                                  "--repeat", 8, "--trace", folder / f"trace-{n}-{where}.json",
                                  *(("--plot", folder / "profile.png")
@@ -152,7 +151,6 @@ def test_optimize_example_takes_the_same_steps_on_any_number_of_ranks(example):
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
-@pytest.mark.skipif(not OPTAX, reason="needs optax (the examples extra)")
 @pytest.mark.parametrize("nprocs, split", DATA_PARALLEL)
 def test_data_parallel_example_trains_as_one_process_does(nprocs, split, example):
     codes, out = example("data_parallel", nprocs)

@@ -316,12 +316,14 @@ class CallAgreement:
     first.
     """
 
+    # The row is kept as Python ints until a gather needs it as an array: the check of
+    # every call is then a handful of integer operations around its one reduction.
     __slots__ = ("comm", "every", "expect", "mine", "missed", "sizes")
 
     def __init__(self, comm: Any, mine: list[int], width: int,
                  expect: tuple | None = None) -> None:
         self.comm, self.expect, self.sizes = comm, expect, len(mine) - 2
-        self.mine = np.array(mine + [0] * (width - len(mine)), np.int64)
+        self.mine = mine + [0] * (width - len(mine))
         self.every: np.ndarray | None = None
         self.missed: bool | None = None
 
@@ -329,23 +331,27 @@ class CallAgreement:
         """**Returns:** whether some rank holds other hashes than this one, or finds its
         own block sizes other than `expect` (or expects none): one fixed-size
         collective, decided alike on every rank."""
-        rank = self.comm.Get_rank()
-        own = self.mine[2:2 + self.sizes].tolist()
-        mine_fit = self.expect is not None and all(
-            sizes[rank] == size for sizes, size in zip(self.expect, own))
-        hashes = self.mine[:2]
-        summary = np.array([*hashes, *(-hashes), 0 if mine_fit else 1], np.int64)
-        extremes = np.empty_like(summary)
+        mine, expect = self.mine, self.expect
+        if expect is None:
+            mine_fit = False
+        else:
+            rank = self.comm.Get_rank()
+            own = mine[2:2 + self.sizes]
+            mine_fit = all(sizes[rank] == size for sizes, size in zip(expect, own))
+        summary = np.array([mine[0], mine[1], -mine[0], -mine[1], 0 if mine_fit else 1],
+                           np.int64)
+        extremes = np.empty(5, np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
             self.comm.Allreduce(summary, extremes, op=_max())
-        return bool((extremes[:2] != -extremes[2:4]).any() or extremes[4])
+        top = extremes.tolist()
+        return top[0] != -top[2] or top[1] != -top[3] or top[4] != 0
 
     def gather(self) -> np.ndarray:
         """**Returns:** every rank's `mine`, one row per rank (after `ranks_differ`,
         and only where it found a difference: every rank makes both alike)."""
-        every = np.empty((self.comm.Get_size(), self.mine.size), np.int64)
+        every = np.empty((self.comm.Get_size(), len(self.mine)), np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
-            self.comm.Allgather(self.mine, every)
+            self.comm.Allgather(np.array(self.mine, np.int64), every)
         return every
 
     def ranks_disagree(self) -> bool:
@@ -385,10 +391,18 @@ def block_sizes(every: np.ndarray, sizes: int) -> tuple:
     return tuple(map(tuple, every[:, 2:2 + sizes].T.tolist()))
 
 
-def _max() -> Any:
-    from mpi4py import MPI
+_MPI_MAX: Any = None  # MPI.MAX, once `_max` has imported it
 
-    return MPI.MAX
+
+def _max() -> Any:
+    """**Returns:** MPI.MAX (mpi4py's MPI is imported at first use: importing it starts
+    MPI)."""
+    global _MPI_MAX
+    if _MPI_MAX is None:
+        from mpi4py import MPI
+
+        _MPI_MAX = MPI.MAX
+    return _MPI_MAX
 
 
 def stable_hash(obj: object) -> int:

@@ -47,6 +47,11 @@ class Mark(NamedTuple):
     since: float  # when it began (monotonic)
     outer: "Mark | None"  # the step it is in, restored when it ends
 
+
+# A mark is made at every step of every call: `tuple.__new__` makes the same object
+# without the NamedTuple's Python-level constructor.
+_new_mark = functools.partial(tuple.__new__, Mark)
+
 # How many limits a wait may last while a peer runs where the watchdog cannot see
 # whether it computes or waits (`OUTSIDE`, `UNSEEN`); such a rank itself gets as long.
 UNSEEN_PATIENCE = 10
@@ -183,7 +188,7 @@ class Watchdog:
     # GIL, as is the watchdog thread's copy of the values).
     def _mark(self, state: State, where: str, detail: str | None = None) -> None:
         active, key = self._active, _ident()
-        active[key] = Mark(state, where, detail, _now(), active.get(key))
+        active[key] = _new_mark((state, where, detail, _now(), active.get(key)))
         if self._thread is None and settings.watchdog > 0:
             self._start()
 
@@ -556,7 +561,7 @@ def _waiting_call(call: Any, name: str, where: str, active: dict) -> Any:
     def waiting(*args: Any, **kwargs: Any) -> Any:
         key = _ident()
         outer = active.get(key)
-        active[key] = Mark(WAITING, where, name, _now(), outer)
+        active[key] = _new_mark((WAITING, where, name, _now(), outer))
         try:
             return call(*args, **kwargs)
         finally:
@@ -575,7 +580,7 @@ def _starting_call(call: Any, name: str, active: dict) -> Any:
         key = _ident()
         found = active.get(key)
         if found is not None and found.state == COMPUTING:
-            active[key] = Mark(UNSEEN, found.where, name, _now(), found.outer)
+            active[key] = _new_mark((UNSEEN, found.where, name, _now(), found.outer))
         return call(*args, **kwargs)
 
     return starting

@@ -125,8 +125,14 @@ class Inference:
         try:
             with _ffi.paused():
                 closed = jax.make_jaxpr(flat)(*leaves)
-        except Exception:  # noqa: BLE001 - the call below raises the model's own error
-            return fn(*args, **kwargs)
+        except Exception as err:
+            if self.agree_at_trace:  # (with_kinds: never a silent call without kinds)
+                raise DistopError(
+                    f"with_kinds: {getattr(fn, '__name__', 'the function')} could not be "
+                    f"traced on its own ({type(err).__name__}: {err}). Its arguments "
+                    "must be arrays or pytrees of arrays; bind any other with "
+                    "functools.partial.") from err
+            return fn(*args, **kwargs)  # (a Problem: the model's own trace raises)
         consts = self._constant_kinds(closed.consts)
         ins = [Info(kind, True) for kind in kinds]
         _, plan = analyse(closed.jaxpr, ins, consts)

@@ -217,3 +217,11 @@ def test_replicated_inputs_in_distributed_computation_match_rank_local(name):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-13, atol=1e-15,
                                        err_msg=f"{key} {options}")
     inferred.check_totals(raise_on_error=True, out_stream=None)
+
+
+@pytest.mark.skipif(size == 1, reason="one rank: nothing is inferred")
+def test_with_kinds_refuses_arguments_it_cannot_trace_instead_of_skipping_the_sums():
+    loss = distop.with_kinds(lambda w, act: total(jnp.sum(act(w) * X_LOCAL)))
+    with pytest.raises(distop.DistopError, match="(?s)with_kinds: <lambda> could not be traced.*"
+                       "functools.partial"):
+        loss(jnp.ones(3), jnp.tanh)

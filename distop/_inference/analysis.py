@@ -9,6 +9,7 @@ The walk enters the bodies of loops, branches, checkpoints and inner jits; it re
 `Plan` that says, equation by equation, what `emit` inserts.
 """
 
+import contextvars
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -57,6 +58,33 @@ class Plan(NamedTuple):
 
 
 CONSTANT = Info(REPLICATED)
+# The kinds of the constants of the bodies inside the function walked now (by `id`; an
+# inner jit keeps its own), as `analyse_function` sets them.
+_inner_constants: contextvars.ContextVar[dict[int, Info] | None] = contextvars.ContextVar(
+    "distop_inner_constants", default=None)
+
+
+def analyse_function(jaxpr: Jaxpr, ins: Sequence[Info], consts: Sequence[Info],
+                     inner: dict[int, Info]) -> tuple[list[Info], Plan]:
+    """`analyse` of a whole function, with the kinds of its bodies' own constants
+    (`inner`: `id` of the constant -> its `Info`; see `inner_constants`)."""
+    token = _inner_constants.set(inner)
+    try:
+        return analyse(jaxpr, ins, consts)
+    finally:
+        _inner_constants.reset(token)
+
+
+def inner_constants(jaxpr: Jaxpr) -> list[Any]:
+    """**Returns:** the constants of the closed bodies inside `jaxpr`, at any depth."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for body in _jaxprs(eqn.params):
+            if isinstance(body, ClosedJaxpr):
+                found.extend(body.consts)
+                body = body.jaxpr
+            found.extend(inner_constants(body))
+    return found
 
 
 def join(infos: Sequence[Info]) -> Info:
@@ -161,10 +189,11 @@ def _operator_call(eqn: JaxprEqn, infos: list[Info], live: list[bool],
 
 
 def _closed(closed: Any, ins: Sequence[Info]) -> tuple[list[Info], Plan]:
-    """`analyse` of a closed jaxpr (its constants replicated: they were traced
-    constants of the body)."""
+    """`analyse` of a body, closed (its constants' kinds as `analyse_function` was
+    given them) or not."""
     if isinstance(closed, ClosedJaxpr):
-        return analyse(closed.jaxpr, ins, [CONSTANT] * len(closed.consts))
+        known = _inner_constants.get() or {}
+        return analyse(closed.jaxpr, ins, [known.get(id(c), CONSTANT) for c in closed.consts])
     return analyse(closed, ins, ())
 
 

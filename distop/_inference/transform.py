@@ -22,7 +22,7 @@ from .._agreement.coordinator import stable_hash
 from .._collectives.basic import AllreduceSum
 from .._errors import DistopError
 from .._hostcalls import ffi as _ffi
-from .analysis import REPLICATED, VARYING, Info, analyse
+from .analysis import REPLICATED, VARYING, Info, analyse_function, inner_constants
 from .emit import emit
 
 
@@ -133,9 +133,11 @@ class Inference:
                     "must be arrays or pytrees of arrays; bind any other with "
                     "functools.partial.") from err
             return fn(*args, **kwargs)  # (a Problem: the model's own trace raises)
-        consts = self._constant_kinds(closed.consts)
+        inner = inner_constants(closed.jaxpr)
+        infos = self._constant_kinds([*closed.consts, *inner])
         ins = [Info(kind, True) for kind in kinds]
-        _, plan = analyse(closed.jaxpr, ins, consts)
+        _, plan = analyse_function(closed.jaxpr, ins, infos[:len(closed.consts)],
+                                   {id(c): i for c, i in zip(inner, infos[len(closed.consts):])})
         if not plan.varies:
             return fn(*args, **kwargs)
         outs = emit(closed.jaxpr, closed.consts, leaves, plan, self.total)

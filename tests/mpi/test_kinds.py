@@ -225,3 +225,9 @@ def test_with_kinds_refuses_arguments_it_cannot_trace_instead_of_skipping_the_su
     with pytest.raises(distop.DistopError, match="(?s)with_kinds: <lambda> could not be traced.*"
                        "functools.partial"):
         loss(jnp.ones(3), jnp.tanh)
+
+
+def test_a_constant_an_inner_jit_closes_over_is_compared_too():
+    inner = jax.jit(lambda w: w * X_LOCAL)  # (the inner jit keeps X_LOCAL as its own)
+    grad = jax.jit(jax.grad(distop.with_kinds(lambda w: total(jnp.sum(inner(w))))))(jnp.ones(3))
+    all_close_everywhere(comm, grad, X_SUM)

@@ -337,6 +337,10 @@ STEADY = 0.8
 # The share of all the waiting at the meetings a rank's systematic lateness must make
 # up to stand out.
 SHARE = 0.1
+# The share of the profile's span it must make up too: a rank a hair slower than the
+# others in every stretch (its launcher's or its MPI library's own work, say) is not
+# what anyone waits for.
+SPAN_SHARE = 0.02
 
 
 def _arrivals(every: Sequence[dict[str, Any]]) -> np.ndarray:
@@ -383,7 +387,7 @@ def _standing_out(every: Sequence[dict[str, Any]]) -> int | None:
     drops the noise of a rank descheduled now and then; it counts where the rank worked
     longer at `STEADY` of those stretches or more. A rank stands out where that, summed
     over the stretches, is above `NOISE`, above `SHARE` of all the waiting at the
-    meetings, and twice any other rank's.
+    meetings and `SPAN_SHARE` of the profile's span, and twice any other rank's.
 
     **Arguments:**
     - `every`: per rank, its summary (`starts`, `ends` and `names` of its meetings).
@@ -414,7 +418,8 @@ def _standing_out(every: Sequence[dict[str, Any]]) -> int | None:
     top, second = int(order[0]), float(score[order[1]])
     # (and a tenth of all the waiting at the meetings: less is the machine's noise)
     late, _ = _lateness(_arrivals(every))
-    enough = max(NOISE, SHARE * float(late.sum()))
+    span = float(np.max(ends[:, -1] - ends[:, 0]))
+    enough = max(NOISE, SHARE * float(late.sum()), SPAN_SHARE * span)
     return top if score[top] >= enough and score[top] >= 2 * second else None
 
 

@@ -119,12 +119,8 @@ class Coordinator:
     def most(self, vector: np.ndarray) -> np.ndarray:
         """**Returns:** the elementwise maximum of an int64 `vector` over the ranks
         (every rank passes one of the same length)."""
-        if self.comm.Get_size() == 1:
-            return vector
-        found = np.empty_like(vector)
         with _watchdog.watchdog.watch("Problem: agreeing on a program's rewrites"):
-            self.comm.Allreduce(np.ascontiguousarray(vector), found, op=_max())
-        return found
+            return _comm.most(self.comm, vector)
 
     def widen(self, widths: list[int]) -> None:
         """Make every agreement on this communicator send rows of the largest of

@@ -204,7 +204,7 @@ def agree(comm: Any, hashes: list[int], strict: bool = False,
     """
     if comm.Get_size() == 1:
         return [REPLICATED] * len(hashes)
-    most = most or functools.partial(_most, comm)
+    most = most or functools.partial(_comm.most, comm)
     n, whole = len(hashes), stable_hash(tuple(hashes))
     top = most(np.array([n, -n, whole, -whole], np.int64))
     if top[0] != -top[1]:
@@ -219,14 +219,6 @@ def agree(comm: Any, hashes: list[int], strict: bool = False,
     each = np.array(hashes, np.int64)
     top = most(np.concatenate([each, -each]))
     return [REPLICATED if high == -low else VARYING for high, low in zip(top[:n], top[n:])]
-
-
-def _most(comm: Any, vector: np.ndarray) -> np.ndarray:
-    from mpi4py import MPI
-
-    found = np.empty_like(vector)
-    comm.Allreduce(vector, found, op=MPI.MAX)
-    return found
 
 
 def _content_hash(value: Any) -> int:

@@ -14,12 +14,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .._agreement import comm as _comm
 from .._agreement.coordinator import stable_hash
 from .._compiler.layout import Layout
 from .._compiler.tracing import FDOptions
 from .._diagnostics import progress as _progress
 from .._errors import DerivativeCheckError, DistopError
-from .._mpi.runtime import mpi, world
+from .._mpi.runtime import world
 from .assembly import Blocks, flat_counts, gather_columns, gather_rows
 from .differences import (
     FORMS,
@@ -536,10 +537,8 @@ def _checked_counts(n: int, counts: Sequence[int], comm: Any) -> list[int]:
         shares = []
     wrong = len(shares) != size or min(shares, default=0) < 0 or sum(shares) != n
     h = stable_hash(tuple(shares))
-    top = np.array([h, -h, int(wrong)], np.int64)
-    if size > 1:  # (alike where max h == -max -h; wrong where some rank raised the flag)
-        mine, top = top, np.empty(3, np.int64)
-        comm.Allreduce(mine, top, op=mpi().MAX)
+    # (wrong where some rank raised the flag)
+    top = _comm.most(comm, np.array([h, -h, int(wrong)], np.int64))
     where = f"shard(n_samples={n}, counts={list(counts)!r}) on rank {comm.Get_rank()}"
     if top[2]:
         raise ValueError(f"{where}: expected {size} non-negative integers (one per rank) "

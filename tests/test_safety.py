@@ -466,7 +466,7 @@ def test_watchdog_report_from_a_relay_names_every_rank_it_heard(monkeypatch):
     relay._asked = dict.fromkeys(range(1, 5), now - 1.0)
     summary = relay._summary(lambda: (State.WAITING, wait, 61.0), now, 60.0)
     # rank 1, a second later: it asked the relay only, and heard only its summary
-    relayed = {0: (now, _watchdog._groups_of(summary))}
+    relayed = {0: (now, _watchdog.groups_of(summary))}
     stuck = [(State.WAITING, wait, 61.0, 60.0)]
     # (asked again since the summary came, and not yet answered: the summary stands)
     text = _watchdog.report(1, 5, stuck, 60.0, now + 1.0, {}, {0: now + 0.9}, "", relayed)

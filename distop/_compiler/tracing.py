@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._hostcalls import ffi as _ffi
-from .._operators.operator import complex_step
+from .._operators.complex_step import complex_step
 from .layout import row, split_seeds
 
 

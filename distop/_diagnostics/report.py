@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._mpi.names import COLLECTIVES
+from .lateness import arrivals_at_meetings, lateness, standing_out
 
 # (operator, phase) or (entry point, position, operator, phase) -> [calls, compute ns,
 # wait ns, wall ns], on one rank
@@ -239,9 +240,9 @@ class Report:
         host, wall = per_rank("host"), per_rank("wall")
         jax = (per_rank("jax") if all("jax" in m for m in every)
                else np.maximum(wall - host, 0.0))
-        arrivals = _arrivals(every)
-        late, last = _lateness(arrivals)
-        slowest = _standing_out(every)
+        arrivals = arrivals_at_meetings(every)
+        late, last = lateness(arrivals)
+        slowest = standing_out(every)
         categories = {"its own code between calls": per_rank("outside"), "JAX": jax,
                       "distop's own work (agreement, tracing, dispatch)":
                           per_rank("distop")}
@@ -327,113 +328,6 @@ class Report:
         return "\n".join(lines)
 
 
-# A rank whose stretches between meetings are this much longer than the median rank's
-# in all (ns), stretch by stretch the median over those of one kind, stands out: below
-# it, the ranks take turns arriving last, as noise makes them.
-NOISE = 1_000_000
-# The share of the stretches of a kind at which a rank must work longer than the median
-# rank for its lateness there to count as systematic.
-STEADY = 0.8
-# The share of all the waiting at the meetings a rank's systematic lateness must make
-# up to stand out.
-SHARE = 0.1
-# The share of the profile's span it must make up too: a rank a hair slower than the
-# others in every stretch (its launcher's or its MPI library's own work, say) is not
-# what anyone waits for.
-SPAN_SHARE = 0.02
-
-
-def _arrivals(every: Sequence[dict[str, Any]]) -> np.ndarray:
-    """**Returns:** ranks x meetings, each rank's arrival minus the last rank's (ns),
-    over the meetings every rank reached alike (the same names, in the same order).
-
-    The clocks start together at a barrier as the profile begins; each rank's clock
-    is then aligned by its meetings' ends: the ranks leave a collective together, so the
-    median over the meetings of how much later a rank's ends read than rank 0's is its
-    clock's offset (robust to the odd meeting a rank leaves late)."""
-    if len(every) < 2 or any("starts" not in m for m in every):
-        return np.zeros((len(every), 0))
-    n = _alike(every)
-    if n == 0:
-        return np.zeros((len(every), 0))
-    starts = np.array([m["starts"][:n] for m in every], dtype=np.float64)
-    ends = np.array([m["ends"][:n] for m in every], dtype=np.float64)
-    offsets = np.median(ends - ends[0], axis=1)
-    arrived = starts - offsets[:, None]
-    return arrived - arrived.max(axis=0)
-
-
-def _lateness(arrivals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """**Returns:** per rank, how long (ns) the others waited in all at the meetings it
-    reached last, and at how many it did."""
-    ranks = arrivals.shape[0]
-    late, last = np.zeros(ranks), np.zeros(ranks, dtype=np.int64)
-    if arrivals.size == 0:
-        return late, last
-    latest = np.argmax(arrivals, axis=0)  # (ties: the lowest rank)
-    waited = -arrivals.sum(axis=0)
-    np.add.at(late, latest, waited)
-    np.add.at(last, latest, 1)
-    return late, last
-
-
-def _standing_out(every: Sequence[dict[str, Any]]) -> int | None:
-    """The rank the others waited for, or None where none stands out.
-
-    Between two meetings each rank works on its own, from leaving one (the ranks leave
-    a collective together) to arriving at the next: the rank whose stretch is the
-    longest arrives last. Against the median rank's, per kind of stretch (the names of
-    the meetings it joins), the median over the stretches keeps what is systematic and
-    drops the noise of a rank descheduled now and then; it counts where the rank worked
-    longer at `STEADY` of those stretches or more. A rank stands out where that, summed
-    over the stretches, is above `NOISE`, above `SHARE` of all the waiting at the
-    meetings and `SPAN_SHARE` of the profile's span, and twice any other rank's.
-
-    **Arguments:**
-    - `every`: per rank, its summary (`starts`, `ends` and `names` of its meetings).
-
-    **Returns:** the rank, or None.
-    """
-    ranks = len(every)
-    if ranks < 2 or any("starts" not in m for m in every):
-        return None
-    n = _alike(every)
-    if n < 2:
-        return None
-    starts = np.array([m["starts"][:n] for m in every], dtype=np.float64)
-    ends = np.array([m["ends"][:n] for m in every], dtype=np.float64)
-    stretches = starts[:, 1:] - ends[:, :-1]
-    longer = stretches - np.median(stretches, axis=0)
-    names = every[0]["names"]
-    kinds = np.array([f"{names[k]} -> {names[k + 1]}" for k in range(n - 1)])
-    score = np.zeros(ranks)
-    for kind in dict.fromkeys(kinds.tolist()):
-        chosen = kinds == kind
-        # (systematic: longer than the median rank's at most stretches of the kind, as
-        # chance makes one rank at about half of them)
-        steady = np.mean(longer[:, chosen] > 0, axis=1) >= STEADY
-        score += np.where(steady, int(chosen.sum()) * np.maximum(
-            np.median(longer[:, chosen], axis=1), 0.0), 0.0)
-    order = np.argsort(score)[::-1]
-    top, second = int(order[0]), float(score[order[1]])
-    # (and a tenth of all the waiting at the meetings: less is the machine's noise)
-    late, _ = _lateness(_arrivals(every))
-    span = float(np.max(ends[:, -1] - ends[:, 0]))
-    enough = max(NOISE, SHARE * float(late.sum()), SPAN_SHARE * span)
-    return top if score[top] >= enough and score[top] >= 2 * second else None
-
-
-def _alike(every: Sequence[dict[str, Any]]) -> int:
-    """**Returns:** how many meetings, from the first, every rank reached alike (the
-    same names in the same order)."""
-    names = [m["names"] for m in every]
-    n = min(len(x) for x in names)
-    for k in range(n):
-        if any(x[k] != names[0][k] for x in names):
-            return k  # (ranks that met differently from here on: compared up to here)
-    return n
-
-
 def _extra(categories: dict[str, np.ndarray], rank: int | None) -> tuple[tuple[str, float], ...]:
     """**Returns:** where `rank` spent more time than the median of the other ranks:
     (what, seconds) pairs, largest first; none for no rank."""
@@ -491,14 +385,14 @@ def trace_events(every: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
     summaries = [{"starts": [m[1] for m in meetings(r[0], r[2])],
                   "ends": [m[2] for m in meetings(r[0], r[2])],
                   "names": [m[0] for m in meetings(r[0], r[2])]} for r in records]
-    arrivals = _arrivals(summaries) if len(records) > 1 else np.zeros((len(records), 0))
+    arrivals = arrivals_at_meetings(summaries) if len(records) > 1 else np.zeros((len(records), 0))
     events: list[dict[str, Any]] = []
     for rank, (calls, runs, waits, entries, span) in enumerate(records):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"sort_index": rank}})
-        # the meetings in order, as `_arrivals` counts them: (start, name) -> index
+        # the meetings in order, as `arrivals_at_meetings` counts them: (start, name) -> index
         order = {(m[1], m[0]): k for k, m in enumerate(meetings(calls, waits))
                  if k < arrivals.shape[1]}
 

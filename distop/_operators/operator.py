@@ -10,9 +10,7 @@ place in program order on every rank and keeps XLA from dropping, duplicating or
 overlapping it.
 """
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -38,6 +36,7 @@ from .._errors import DistopError, MissingMethodError, SecondDerivativeError
 from .._hostcalls import ffi as _ffi
 from .._hostcalls.host import HostCall
 from .._safety.guard import check_declarations
+from . import complex_step as _stepping
 from .refusals import install as install_refusals
 from .second_derivative import refused
 
@@ -76,16 +75,13 @@ class DistributedOperator(eqx.Module):
       formulas on them and returns complex outputs (no `abs`, `conj`, `real` or
       comparisons of them). `check_totals(method="cs")` may then perturb it along the
       imaginary axis. Default False.
-    - `output_kinds`: whether each output is the same on every rank (`"replicated"`)
-      or each rank's own (`"varying"`): one kind for all outputs, or a tuple with one
-      per output. Default None: undeclared. A Problem (and `with_kinds`) then knows
-      nothing of the output, which is fine until it meets a replicated value that
-      carries a derivative: there the Problem raises when made, asking for it.
-    - `input_kinds`: `"varying"` for an input that takes each rank's own value and
-      whose cotangent `vjp` returns as this rank's share (as `AllreduceSum`'s does): a
-      replicated value passed there then gets its cotangent summed over the ranks.
-      Default None (for all inputs, or in a tuple for one): `vjp` returns the input's
-      whole cotangent itself, as every operator written before kinds existed does.
+    - `output_kinds`: `"replicated"` (the same on every rank) or `"varying"` (each
+      rank's own), one for all outputs or a tuple; None (default): unknown, which a
+      Problem refuses only where the sum over ranks of a derivative depends on it.
+    - `input_kinds`: `"varying"` where `vjp` returns this rank's share of the input's
+      cotangent (as `AllreduceSum`'s does), so a replicated value passed there gets
+      it summed over the ranks; None (default, or per input in a tuple): `vjp`
+      returns the whole cotangent itself.
 
     A method may take a keyword `out`.
     On the lean path distop passes the buffers its results go to (XLA's own, valid
@@ -292,13 +288,7 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
                                  "which every operator needs.")
     arrays = as_arrays(name, inputs)
     in_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    stepped = _complex_step.get() and any(jnp.iscomplexobj(a) for a in arrays)
-    if stepped and not type(op).takes_complex_step(op):
-        method = getattr(type(op), "phase_labels", {}).get("forward", "forward")
-        raise DistopError(_refused_complex_step(op, f"its {method} would get complex inputs, "
-                                                "which it does not take (" + (
-            "takes_complex_step() is False with these fields" if type(op).complex_step
-            else "it does not declare complex_step = True") + ")"))
+    stepped = _stepping.stepped(op, arrays)
     out_specs = type(op).output_spec(op, *in_specs)  # class-level: no bound-method wrap
     several = isinstance(out_specs, (tuple, list))
     out_specs = tuple(out_specs) if several else (out_specs,)
@@ -310,11 +300,8 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     # between ranks that return the same sizes as different types)
     out_specs = tuple(jax.ShapeDtypeStruct(tuple(map(int, s.shape)), s.dtype)
                       for s in out_specs)
-    if stepped and any(inexact_spec(s) and not jnp.issubdtype(s.dtype, jnp.complexfloating)
-                       for s in out_specs):
-        raise DistopError(_refused_complex_step(op, "its output_spec gives a real output "
-                                                "for complex inputs, which drops the "
-                                                "imaginary part"))
+    if stepped:
+        _stepping.check_outputs(op, out_specs)
     ordered = type(op).is_ordered(op)
     # In a Problem's program every call not declared unordered takes the lean path:
     # ordered by the token, and fusable. (Even where nothing needs ordering, in one
@@ -327,32 +314,6 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
                     out_specs, lean=lean)
     outs = _bind(call, arrays)
     return tuple(outs) if several else outs[0]
-
-
-# Whether the program being traced is check_totals' complex step: every operator
-# given complex values then must declare that it takes them.
-_complex_step: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "distop_complex_step", default=False)
-
-
-@contextlib.contextmanager
-def complex_step(on: bool) -> Iterator[None]:
-    """Trace, within, the program of `check_totals(method="cs")` (if `on`): an operator
-    given complex values must declare `complex_step = True`."""
-    token = _complex_step.set(on)
-    try:
-        yield
-    finally:
-        _complex_step.reset(token)
-
-
-def _refused_complex_step(op: DistributedOperator, why: str) -> str:
-    rank = _comm.private(op.comm).Get_rank()
-    method = getattr(type(op), "phase_labels", {}).get("forward", "forward")
-    return (f"check_totals(method='cs'): {type(op).__name__}.{method} on rank {rank} (and "
-            f"every rank alike): {why}. Declare complex_step = True in the class if its "
-            f"{method} computes the same formulas on complex values (and returns complex "
-            "outputs for them), or check with method='fd'.")
 
 
 def explicit_order(op: DistributedOperator) -> bool | None:

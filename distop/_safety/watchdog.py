@@ -10,51 +10,21 @@ a rank that has waited long can tell a peer still computing (it waits on) from a
 """
 
 import atexit
-import enum
 import functools
 import json
-import math
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._config import settings
 from .._mpi.names import BLOCKING, COLLECTIVES, MAKERS, STARTERS
 from .._mpi.runtime import abort, mpi, world
+from .marks import UNSEEN_PATIENCE, Mark, State, new_mark
 from .watchdog_channel import Channel, decode
-
-
-class State(enum.IntEnum):
-    """Where a thread stands, and so a rank (see `Watchdog.busy` and `WatchedComm`); sent
-    to the peers as its number."""
-
-    OUTSIDE = 0  # in no distop step: its own code, or distop tracing and compiling
-    COMPUTING = 1  # in an operator's method, outside its MPI calls
-    WAITING = 2  # in a distop collective, or in a blocking MPI call of a method
-    UNSEEN = 3  # in a method that started a non-blocking call: computing, or waiting on it
-    EXITING = 4  # at its exit, waiting for the other ranks to reach theirs
-
+from .watchdog_report import grouped, groups_of, peer_standings, report, spans
 
 OUTSIDE, COMPUTING, WAITING, UNSEEN, EXITING = State  # (short names inside this module)
 
-
-class Mark(NamedTuple):
-    """A thread's innermost step, as the watchdog keeps it."""
-
-    state: State
-    where: str  # the step, as `Watchdog.watch` or `Watchdog.busy` names it
-    detail: str | None  # the MPI call it is in, if any
-    since: float  # when it began (monotonic)
-    outer: "Mark | None"  # the step it is in, restored when it ends
-
-
-# A mark is made at every step of every call: `tuple.__new__` makes the same object
-# without the NamedTuple's Python-level constructor.
-_new_mark = functools.partial(tuple.__new__, Mark)
-
-# How many limits a wait may last while a peer runs where the watchdog cannot see
-# whether it computes or waits (`OUTSIDE`, `UNSEEN`); such a rank itself gets as long.
-UNSEEN_PATIENCE = 10
 
 _now = time.monotonic
 _ident = threading.get_ident
@@ -188,7 +158,7 @@ class Watchdog:
     # GIL, as is the watchdog thread's copy of the values).
     def _mark(self, state: State, where: str, detail: str | None = None) -> None:
         active, key = self._active, _ident()
-        active[key] = _new_mark((state, where, detail, _now(), active.get(key)))
+        active[key] = new_mark((state, where, detail, _now(), active.get(key)))
         if self._thread is None and settings.watchdog > 0:
             self._start()
 
@@ -248,7 +218,7 @@ class Watchdog:
                     for rank, answer in answers:
                         self._heard[rank] = (_now(),) + decode(answer)
                     for data in summaries:
-                        self._relayed[channel.relay] = (_now(), _groups_of(data))
+                        self._relayed[channel.relay] = (_now(), groups_of(data))
                     if asked_here and channel.relays:
                         self._relaying_until = now + limit
                     self._asked.update(dict.fromkeys(asked, now))
@@ -259,19 +229,19 @@ class Watchdog:
 
     def _summary(self, standing: Any, now: float, limit: float) -> bytes:
         """**Returns:** what a relay answers a question with: the groups of ranks that
-        answered it alike, itself included, as JSON (see `_groups`)."""
+        answered it alike, itself included, as JSON (see `groups`)."""
         mine = world().Get_rank()
         state, where, seconds = standing()
-        members = _members(mine, now, limit, self._heard, self._asked, {})
+        members = peer_standings(mine, now, limit, self._heard, self._asked, {})
         members[mine] = ((state, where, False), seconds, seconds, 0.0, 0.0)
-        return json.dumps([[*key, _spans(ranks), *times]
-                           for key, ranks, *times in _groups(members)]).encode()
+        return json.dumps([[*key, spans(ranks), *times]
+                           for key, ranks, *times in grouped(members)]).encode()
 
     def _held(self, now: float, limit: float, longest: float) -> bool:
         """Whether a wait of `longest` seconds goes on: a peer answered, within the
         limit, that it computes, or that it runs where the watchdog cannot see and the
         wait is shorter than `UNSEEN_PATIENCE` limits."""
-        members = _members(world().Get_rank(), now, limit, dict(self._heard),
+        members = peer_standings(world().Get_rank(), now, limit, dict(self._heard),
                            dict(self._asked), dict(self._relayed))
         for (state, _, _), _, _, _, youngest in members.values():
             if state is None or youngest > limit:
@@ -399,161 +369,6 @@ def _describe(state: State, where: str, detail: str | None) -> str:
     return f"{where}, {'collective ' if detail in COLLECTIVES else ''}{detail}"
 
 
-def report(rank: int, size: int, stuck: list, limit: float, now: float, heard: dict,
-           asked: dict, blind: str, relayed: dict | None = None) -> str:
-    """The watchdog's message: where this rank is stuck and where the others stand.
-
-    **Arguments:**
-    - `rank`, `size`: this rank and the number of ranks, in the world.
-    - `stuck`: (state, description, seconds, patience) of each step past its limit.
-    - `limit`: `settings.watchdog`.
-    - `now`: the time (`time.monotonic`).
-    - `heard`: world rank -> (when, state, description, seconds) of its last answer.
-    - `asked`: world rank -> when it was last asked.
-    - `blind`: why the other ranks cannot be asked, or "".
-    - `relayed`: a relay's world rank -> (when, groups) of its last summary.
-
-    **Returns:** the message, one line per fact.
-    """
-    lines = []
-    for state, where, seconds, _ in stuck:
-        if state == UNSEEN:
-            lines.append(
-                f"distop watchdog: rank {rank} of {size} has spent {_s(seconds)} s in "
-                f"{where}: computing, or waiting on its requests, which distop cannot tell "
-                f"apart (limit {UNSEEN_PATIENCE} x DISTOP_WATCHDOG={limit:g} s).")
-        else:
-            lines.append(
-                f"distop watchdog: rank {rank} of {size} has waited {_s(seconds)} s in "
-                f"{where} (limit DISTOP_WATCHDOG={limit:g} s of waiting; time a method "
-                "spends computing does not count).")
-    if blind:
-        lines.append(f"Where the other ranks stand is unknown: {blind}.")
-    else:
-        lines.append("Where the other ranks stand, as they last answered:")
-        groups = _groups(_members(rank, now, limit, heard, asked, relayed or {}))
-        for (state, where, silent), peers, shortest, longest, oldest, _ in groups:
-            if state is None:
-                text = (f"no answer (asked {_s(longest)} s ago): it may have exited or "
-                        "crashed, or hold the GIL in a long computation")
-            else:
-                took = (f"{_s(shortest)}-{_s(longest)} s" if _s(longest) != _s(shortest)
-                        else f"{_s(longest)} s")
-                text = _say_standing(state, where, took)
-                if silent:
-                    text = f"no answer for {_s(oldest)} s; before that, {text}"
-                elif oldest >= 1:
-                    text += f" (answered {_s(oldest)} s ago)"
-            lines.append(f"  rank{'s' if len(peers) > 1 else ''} {_ranges(peers)}: {text}")
-        if not groups:
-            lines.append("  none has been asked yet")
-    # (the checking mode names a rank whose schedule differs only while that rank still
-    # takes part in the checks: not one that left, or that waits elsewhere)
-    hint = ("the checking mode is on, and that rank answers no check" if
-            settings.check_collectives else "DISTOP_CHECK_COLLECTIVES=1 names it")
-    lines.append("No other rank is known to be computing: one failed, exited, or runs a "
-                 f"different schedule (rank-dependent control flow; {hint}). "
-                 "Aborting the job.")
-    return "\n".join(lines) + "\n"
-
-
-def _members(rank: int, now: float, limit: float, heard: dict, asked: dict,
-             relayed: dict) -> dict:
-    """Where every other rank stands, from its own answers and the relays' summaries.
-
-    **Arguments:** as `report`'s (`rank`: this rank, left out).
-
-    **Returns:** world rank -> (key, shortest, longest, oldest, youngest): the key is
-    (state, description, whether it has not answered since it was last asked), or
-    (None, "", False) for a rank asked that never answered; then the seconds it has
-    been there (a range where a relay summed up a group; for a rank that never
-    answered, since it was asked), and how old the answers are (infinite where there
-    is none). Where both tell of a rank, the younger answer stands.
-    """
-    found: dict[int, tuple] = {}
-    for peer in set(asked) | set(heard):
-        if peer == rank:
-            continue
-        answer = heard.get(peer)
-        if answer is None:  # (no answer: older than any, so that any answer stands)
-            ago = now - asked[peer]
-            found[peer] = ((None, "", False), ago, ago, math.inf, math.inf)
-            continue
-        when, state, where, seconds = answer
-        age = now - when
-        silent = asked.get(peer, when) - when > limit  # (asked since, in vain)
-        found[peer] = ((state, where, silent), seconds + age, seconds + age, age, age)
-    for received, groups in relayed.values():
-        late = now - received
-        for state, where, silent, spans, *times in groups:
-            shortest, longest, oldest, youngest = (t + late for t in times)
-            for start, stop in spans:
-                for peer in range(start, stop + 1):
-                    known = found.get(peer)
-                    if peer != rank and (known is None or known[4] > youngest):
-                        found[peer] = ((state, where, silent), shortest, longest, oldest,
-                                       youngest)
-    return found
-
-
-def _groups(members: dict) -> list:
-    """**Returns:** (key, ranks, shortest, longest, oldest, youngest) of each group of
-    `members` (see `_members`) that stand alike, in the order of their lowest rank."""
-    groups: dict[tuple, list] = {}
-    for peer in sorted(members):
-        key, shortest, longest, oldest, youngest = members[peer]
-        group = groups.setdefault(key, [key, [], shortest, longest, oldest, youngest])
-        group[1].append(peer)
-        group[2:] = (min(group[2], shortest), max(group[3], longest), max(group[4], oldest),
-                     min(group[5], youngest))
-    return [tuple(group) for group in groups.values()]
-
-
-def _groups_of(data: bytes) -> list:
-    """**Returns:** the groups of a relay's summary (see `Watchdog._summary`); none
-    where it cannot be read."""
-    try:
-        return [(state, where, bool(silent), [tuple(span) for span in spans],
-                 *map(float, times))
-                for state, where, silent, spans, *times in json.loads(data)]
-    except (ValueError, TypeError):
-        return []
-
-
-def _s(seconds: float) -> str:
-    """**Returns:** a number of seconds, to a tenth below 10."""
-    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
-
-
-def _say_standing(state: State, where: str, took: str) -> str:
-    """**Returns:** a peer's answer, in words (`took`: how long it has been there)."""
-    if state == COMPUTING:
-        return f"computing in {where} for {took}"
-    if state == WAITING:
-        return f"waiting in {where} for {took}"
-    if state == UNSEEN:
-        return f"in {where} for {took} (computing, or waiting on its requests)"
-    if state == EXITING:
-        return f"at its exit for {took}: its program has ended"
-    return f"outside distop for {took} (in its own code, or tracing or compiling)"
-
-
-def _spans(ranks: list) -> list:
-    """**Returns:** sorted ranks as runs, [[first, last], ...]."""
-    spans: list = []
-    for r in ranks:
-        if spans and spans[-1][1] == r - 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return spans
-
-
-def _ranges(ranks: list) -> str:
-    """**Returns:** sorted ranks as ranges, `"0-3, 7"`."""
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in _spans(ranks))
-
-
 # -- the communicator handed to methods -----------------------------------------------
 def _waiting_call(call: Any, name: str, where: str, active: dict) -> Any:
     """**Returns:** MPI method `call` (named `name`), marking its thread as waiting in
@@ -561,7 +376,7 @@ def _waiting_call(call: Any, name: str, where: str, active: dict) -> Any:
     def waiting(*args: Any, **kwargs: Any) -> Any:
         key = _ident()
         outer = active.get(key)
-        active[key] = _new_mark((WAITING, where, name, _now(), outer))
+        active[key] = new_mark((WAITING, where, name, _now(), outer))
         try:
             return call(*args, **kwargs)
         finally:
@@ -580,7 +395,7 @@ def _starting_call(call: Any, name: str, active: dict) -> Any:
         key = _ident()
         found = active.get(key)
         if found is not None and found.state == COMPUTING:
-            active[key] = _new_mark((UNSEEN, found.where, name, _now(), found.outer))
+            active[key] = new_mark((UNSEEN, found.where, name, _now(), found.outer))
         return call(*args, **kwargs)
 
     return starting

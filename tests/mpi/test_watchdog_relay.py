@@ -34,7 +34,7 @@ def test_every_rank_asks_the_relay_only_and_learns_where_every_rank_stands():
         _rounds(dog, 2, ask=False, every=100.0)  # (the last answers read)
         assert set(dog._asked) == ({r for r in range(size) if r != 0} if rank == 0
                                    else {0}), dog._asked
-        members = _watchdog._members(rank, time.monotonic(), 60.0, dog._heard,
+        members = _watchdog.peer_standings(rank, time.monotonic(), 60.0, dog._heard,
                                      dog._asked, dog._relayed)
         assert sorted(members) == [r for r in range(size) if r != rank], members
         for peer, (key, *_) in members.items():

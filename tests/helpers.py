@@ -249,9 +249,11 @@ def mpiexec():
 def launcher():
     """**Returns:** (the mpiexec command, the environment it needs) for the MPI library
     mpi4py loaded here: Open MPI's refuses more ranks than cores and, as root, any job,
-    unless told otherwise."""
+    unless told otherwise. MPICH's ranks spin while they wait for a message, taking the
+    cores from the rank that computes when there are more ranks than cores; told to
+    yield with a sleep, a waiting rank leaves them to it."""
     if "open mpi" not in MPI.Get_library_version().lower():
-        return [mpiexec()], {}
+        return [mpiexec()], {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if (
         os.geteuid() == 0) else {}
     return [mpiexec(), "--oversubscribe"], env

@@ -245,11 +245,8 @@ class _Solve:
 
     def initial(self, b: np.ndarray, x0: np.ndarray | None,
                 ) -> tuple[np.ndarray, np.ndarray, float]:
-        """The starting point of an iteration.
-
-        **Returns:** (x, this rank's block of b - A x, its global 2-norm), from x0, or
-        from zero where `x0` is None (no product needed then).
-        """
+        """**Returns:** the starting point of an iteration: (x, this rank's block of
+        b - A x, its global 2-norm), from x0, or from zero (no product) where `x0` is None."""
         if x0 is None:
             return np.zeros_like(b), b.copy(), self.b_norm
         r, r_norm = self.residual(b, x0)

@@ -308,7 +308,7 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
     batch of seeds; on both paths."""
     from distop._compat import primitive_linearizations
     from distop._hostcalls import ffi as _ffi
-    from distop._operators.operator import host_call_p
+    from distop._operators.primitive import host_call_p
 
     op, mul = ScaledSum(), Mul()
 

@@ -1,12 +1,11 @@
 """The host side of an operator call: numpy views in, the user's method, checked numpy out.
 
-One `HostCall` object is what XLA calls back into. It owns everything per call that is
-not JAX: contiguous row-major arrays for user code, the per-row loop or single batched
-call, and checks of what user code returns; a failure goes to `failure.fail`.
+One `HostCall` object is what XLA calls back into: the runner of a call's description
+(a `CallSpec`, see spec.py). It owns everything per call that is not JAX: contiguous
+row-major arrays for user code, the per-row loop or single batched call, and checks of
+what user code returns; a failure goes to `failure.fail`.
 """
 
-import functools
-import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -17,23 +16,15 @@ import numpy as np
 from .._agreement.comm import checker
 from .._config import settings
 from .._diagnostics import profile as _profile
-from .._dtypes import inexact_spec
 from .._errors import OperatorError
 from .._safety import checking as _checking
 from .._safety import watchdog as _watchdog
 from .._safety.guard import GuardedComm
 from .base import HostCallable
 from .failure import fail
+from .spec import CallSpec
 
 Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for every row
-
-def _linear_specs(phase: str, in_specs: Sequence[jax.ShapeDtypeStruct],
-                  out_specs: Sequence[jax.ShapeDtypeStruct],
-                  ) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The specs of a method's (co)tangent arguments: of the floating-point inputs
-    (`jvp`) or outputs (`vjp`); none for `forward`."""
-    specs = () if phase == "forward" else in_specs if phase == "jvp" else out_specs
-    return tuple(s for s in specs if inexact_spec(s))
 
 
 def rows_of(mask: np.ndarray) -> Rows:
@@ -49,38 +40,17 @@ def rows_of(mask: np.ndarray) -> Rows:
     return found
 
 
-@functools.cache
-def _method_info(cls: type, phase: str) -> tuple[bool, bool, bool, bool]:
-    """**Returns:** (whether `cls.<phase>` is batched, whether it takes `batched=`,
-    whether it takes `out=`); computed once per class, as tracing meets every call
-    site."""
-    batched = bool(getattr(cls, "batched_" + phase, False))
-    parameters = inspect.signature(getattr(cls, phase)).parameters
-    unbatched = getattr(cls, "unbatched", "broadcast")
-    if unbatched not in ("broadcast", "expand_dims"):
-        raise OperatorError(f"{cls.__name__}.unbatched = {unbatched!r}: expected "
-                            "'broadcast' or 'expand_dims'.")
-    return (batched, batched and "batched" in parameters, "out" in parameters,
-            unbatched == "expand_dims")
-
-
 class HostCall(HostCallable):
-    """One operator method as called from a compiled program.
+    """The runner of one operator method as called from a compiled program.
 
-    **Arguments:**
-    - `op`: the `DistributedOperator`.
-    - `phase`: `"forward"`, `"jvp"` or `"vjp"`.
-    - `comm`: the private communicator handed to user code.
-    - `ordered`: whether the call is ordered (and so may communicate).
-    - `in_specs`, `out_specs`: the operator's unbatched input and output
-      `jax.ShapeDtypeStruct`s.
-    - `levels`: per argument, one bool per batch level (outermost first): whether the
-      argument carries that batch axis; None for no batching.
-    - `batch_shape`: the size of every batch level (outermost first).
+    It holds the call's description (`spec`, a `CallSpec`) and what a run needs besides:
+    the watchdog's watch, the communicator the method gets, the checker of the checking
+    mode, its lean call site (`ffi_id`) and the call it stands for (`origin`).
 
-    The arguments XLA passes are the inputs (`forward`), or the tangents of the
-    floating-point inputs (`jvp`) or cotangents of the floating-point outputs (`vjp`)
-    followed by the inputs. Integer values have no (co)tangent: user code gets None.
+    **Arguments:** those of `CallSpec.make`: `op`, `phase`, `comm`, `ordered`,
+    `in_specs`, `out_specs`, and optionally `levels`, `batch_shape` and `lean`.
+
+    It is compared by identity: JAX caches what it traces by the primitive's parameters.
     """
 
     def __init__(self, op: Any, phase: str, comm: Any, ordered: bool,
@@ -88,101 +58,122 @@ class HostCall(HostCallable):
                  out_specs: Sequence[jax.ShapeDtypeStruct],
                  levels: Sequence[tuple[bool, ...]] | None = None,
                  batch_shape: tuple[int, ...] = (), lean: bool = False) -> None:
-        self.op, self.phase, self.comm, self.ordered = op, phase, comm, ordered
-        self.lean = lean
+        self._hold(CallSpec.make(op, phase, comm, ordered, in_specs, out_specs, levels,
+                                 batch_shape, lean))
+
+    @classmethod
+    def of(cls, spec: CallSpec) -> "HostCall":
+        """**Returns:** a new runner of `spec`."""
+        call = cls.__new__(cls)
+        call._hold(spec)
+        return call
+
+    def _hold(self, spec: CallSpec) -> None:
+        """Take `spec`, with copies of what a run reads of it, and set up the runtime
+        state.
+
+        Every attribute is set here, in one order, and none later through the
+        instance's dictionary: CPython then keeps them in the object itself, where the
+        reads of every run are fastest.
+        """
+        self.spec = spec
+        self.op, self.phase, self.comm = spec.op, spec.phase, spec.comm
+        self.ordered, self.lean = spec.ordered, spec.lean
+        self.batch_shape, self.levels = spec.batch_shape, spec.levels
+        self.slots, self.n_slots, self.n_linear = spec.slots, spec.n_slots, spec.n_linear
+        self.result_specs, self.n_user_results = spec.result_specs, spec.n_user_results
+        self.function, self.where, self.declared = spec.function, spec.where, spec.declared
+        self.batched, takes_flag, self.takes_out, _ = spec.method
+        # A batched method may take a keyword `batched` to learn whether this call
+        # carries the leading batch axis (it does only when distop batches).
+        self.kwargs: dict[str, Any] = {"batched": bool(self.batch_shape)} if takes_flag else {}
+        self._expected = spec.expected_results
+        self._arg_kinds, self._arg_shapes = spec.arg_kinds, spec.arg_shapes
         self.ffi_id = None  # set when lowered (see _ffi.register)
         # the traced call this one stands for (see `narrowed`)
         self.origin: HostCall | None = None
-        self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
-        diff_in = tuple(i for i, s in enumerate(in_specs) if inexact_spec(s))
-        diff_out = tuple(i for i, s in enumerate(out_specs) if inexact_spec(s))
-        self.slots: tuple[int, ...]  # the method's (co)tangent arguments XLA passes
-        self.result_picks: tuple[int, ...] | None  # the method's results XLA receives
-        if phase == "forward":
-            self.slots, self.n_slots, self.result_picks = (), 0, None
-            self.result_specs = self.out_specs
-        elif phase == "jvp":
-            self.slots, self.n_slots, self.result_picks = diff_in, len(in_specs), diff_out
-            self.result_specs = tuple(out_specs[j] for j in diff_out)
-        else:
-            self.slots, self.n_slots, self.result_picks = diff_out, len(out_specs), diff_in
-            self.result_specs = tuple(in_specs[i] for i in diff_in)
-        self.n_linear = len(self.slots)
-        self.arg_specs = _linear_specs(phase, self.in_specs, self.out_specs) + self.in_specs
-        self.batch_shape = tuple(batch_shape)
-        self._shapes: tuple[jax.ShapeDtypeStruct, ...] | None = None
-        self.levels = (levels if levels is not None
-                       else tuple((True,) * len(self.batch_shape) for _ in self.arg_specs))
-        cls: type = type(op)  # (`type`: mypy finds `type[Any]` unhashable)
-        self.function = getattr(cls, phase)  # class-level: no per-call bound method
-        self.batched, takes_flag, self.takes_out, self.expand_dims = _method_info(cls, phase)
-        # A batched method may take a keyword `batched` to learn whether this call
-        # carries the leading batch axis (it does only when distop batches).
-        self.kwargs: dict[str, Any] = {"batched": bool(batch_shape)} if takes_flag else {}
-        self.n_user_results = len(in_specs) if phase == "vjp" else len(out_specs)
-        # the phase as users know it (an implicit operator's `solve`, say) and its place
-        self.label: str = getattr(cls, "phase_labels", {}).get(phase, phase)
-        self.where = f"{cls.__name__}.{self.label}"
-        self.declared = tuple(getattr(cls, phase + "_collectives", ()))
         # The method is busy while it runs, but for its waits in MPI (reusable: no state).
         self._watch = _watchdog.watchdog.busy(
-            self.where, GuardedComm(comm, self.declared, self.where, site=lean))
+            self.where, GuardedComm(self.comm, self.declared, self.where, site=self.lean))
         # what the method receives: the communication it declared, no more, watched
         self.guarded = self._watch.comm
         self.checker: _checking.Checker | None = None
-        if (settings.check_collectives and comm is not None
-                and comm.Get_size() > 1):
-            self.checker = checker(comm)
+        several = self.comm is not None and self.comm.Get_size() > 1
+        if settings.check_collectives and several:
+            self.checker = checker(self.comm)
+        # Whether this call decides on its own which rows to skip: where no rank needs
+        # to agree on them (a single process, or an operator that declares no
+        # collectives). Under MPI a fused call agrees on the rows of several calls with
+        # one collective (`FusedCall`); one collective per call costs more than it saves.
+        self._skips_alone = spec.skippable and not (several and self.declared)
 
     def __repr__(self) -> str:
-        batch = f" batch={list(self.batch_shape)}" if self.batch_shape else ""
-        kind = "lean" if self.lean else "ordered" if self.ordered else "unordered"
-        return f"{self.where}[{kind}{batch}]"
+        return repr(self.spec)
+
+    # -- the description's, read where no run needs them -----------------------------
+    @property
+    def in_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The operator's unbatched input `jax.ShapeDtypeStruct`s."""
+        return self.spec.in_specs
+
+    @property
+    def out_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The operator's unbatched output `jax.ShapeDtypeStruct`s."""
+        return self.spec.out_specs
+
+    @property
+    def result_picks(self) -> tuple[int, ...] | None:
+        """See `CallSpec.result_picks`."""
+        return self.spec.result_picks
+
+    @property
+    def arg_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """See `CallSpec.arg_specs`."""
+        return self.spec.arg_specs
+
+    @property
+    def label(self) -> str:
+        """See `CallSpec.label`."""
+        return self.spec.label
+
+    @property
+    def expand_dims(self) -> bool:
+        """Whether an unbatched input reaches a batched method with a batch axis of
+        length 1 (see `MethodInfo`)."""
+        return self.spec.method.expand_dims
+
+    @property
+    def skippable(self) -> bool:
+        """See `CallSpec.skippable`."""
+        return self.spec.skippable
 
     def shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """**Returns:** the `jax.ShapeDtypeStruct`s of the results XLA receives (batched)."""
-        if self._shapes is None:
-            self._shapes = tuple(jax.ShapeDtypeStruct(self.batch_shape + s.shape, s.dtype)
-                                 for s in self.result_specs)
-        return self._shapes
+        return self.spec.shapes()
 
+    # -- other forms of the call -------------------------------------------------------
     def with_phase(self, phase: str,
                    linear_levels: Sequence[tuple[bool, ...]] | None = None) -> "HostCall":
-        """The same operator call in another phase, at the same batch levels.
-
-        **Arguments:**
-        - `phase`: `"jvp"` or `"vjp"`.
-        - `linear_levels`: the batch levels of the new call's (co)tangent arguments;
-          default: every level.
-        """
-        if linear_levels is None:
-            linear_levels = [(True,) * len(self.batch_shape)] * len(
-                _linear_specs(phase, self.in_specs, self.out_specs))
-        return HostCall(self.op, phase, self.comm, self.ordered, self.in_specs,
-                        self.out_specs, (*linear_levels, *self.levels[self.n_linear:]),
-                        self.batch_shape, lean=self.lean)
+        """**Returns:** a runner of the same operator call in another phase (see
+        `CallSpec.with_phase`)."""
+        return HostCall.of(self.spec.with_phase(phase, linear_levels))
 
     def unleaned(self) -> "HostCall":
-        """**Returns:** this call off the lean path: an ordered `io_callback`."""
-        return HostCall(self.op, self.phase, self.comm, True, self.in_specs,
-                        self.out_specs, self.levels, self.batch_shape)
+        """**Returns:** a runner of this call off the lean path: an ordered `io_callback`."""
+        return HostCall.of(self.spec.unleaned())
 
     def narrowed(self, count: int) -> "HostCall":
-        """**Returns:** this call on `count` rows of its one batch level (a rewritten
-        program passes it only the rows that can be nonzero); its `origin` is this call
-        (the schedule lists it in this call's place)."""
-        call = HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
-                        self.out_specs, self.levels, (count,), lean=self.lean)
+        """**Returns:** a runner of this call on `count` rows of its one batch level (a
+        rewritten program passes it only the rows that can be nonzero); its `origin` is
+        this call (the schedule lists it in this call's place)."""
+        call = HostCall.of(self.spec.narrowed(count))
         call.origin = self.origin or self
         return call
 
     def with_batch(self, in_batched: Sequence[bool], size: int) -> "HostCall":
-        """**Returns:** this call one batch level deeper (a new outermost batch axis of
-        `size`, carried by the arguments flagged in `in_batched`)."""
-        return HostCall(self.op, self.phase, self.comm, self.ordered, self.in_specs,
-                        self.out_specs, tuple((b,) + lv for b, lv in zip(in_batched,
-                                                                         self.levels)),
-                        (size,) + self.batch_shape, lean=self.lean)
+        """**Returns:** a runner of this call one batch level deeper (see
+        `CallSpec.with_batch`)."""
+        return HostCall.of(self.spec.with_batch(in_batched, size))
 
     # -- what XLA calls -------------------------------------------------------------
     def __call__(self, *args: np.ndarray, out: Sequence[np.ndarray] | None = None,
@@ -190,7 +181,7 @@ class HostCall(HostCallable):
         """Run the user method on XLA's arguments.
 
         **Arguments:**
-        - `args`: the arguments (see the class docstring).
+        - `args`: the arguments (see `CallSpec`).
         - `out`: the buffers the results go to (the lean path: XLA's own, valid during
           the call), offered to a method that takes `out=`; None if there are none.
         - `rows`: the batch rows to pass, as agreed by a fused call (None: every row);
@@ -261,25 +252,6 @@ class HostCall(HostCallable):
             every[k] = buffer
         return every[0] if self.n_user_results == 1 else tuple(every)
 
-    @functools.cached_property
-    def skippable(self) -> bool:
-        """Whether zero rows of this call's (co)tangents may be skipped: a `jvp`/`vjp`
-        (linear in them: zero rows give zero results) over one batch level of at least
-        two rows that every (co)tangent carries."""
-        return (self.phase != "forward" and len(self.batch_shape) == 1 and self.n_linear > 0
-                and self.batch_shape[0] > 1
-                and all(lv[0] for lv in self.levels[:self.n_linear]))
-
-    @functools.cached_property
-    def _arg_kinds(self) -> tuple[str, ...]:
-        """Per argument, how a batched call receives it: `"full"` (it carries every
-        batch level), `"expand"` (an input, not a (co)tangent, that carries none, and
-        the method takes it with a batch axis of length 1) or `"broadcast"`. A
-        (co)tangent is always broadcast: the method's results follow its batch axis."""
-        return tuple("full" if all(lv) else "expand" if (self.expand_dims and not any(lv)
-                                                          and i >= self.n_linear)
-                     else "broadcast" for i, lv in enumerate(self.levels))
-
     def row_mask(self, args: Sequence[np.ndarray]) -> np.ndarray:
         """**Returns:** per batch row, whether some (co)tangent in `args` is nonzero
         there, on this rank."""
@@ -288,15 +260,6 @@ class HostCall(HostCallable):
         # (numpy's stubs allow a scalar from `any(axis=1)`: never, on a 2-D array)
         return (masks[0] if len(masks) == 1  # type: ignore[return-value]
                 else np.logical_or.reduce(masks))
-
-    @functools.cached_property
-    def _skips_alone(self) -> bool:
-        """Whether this call decides on its own which rows to skip: where no rank needs
-        to agree on them (a single process, or an operator that declares no
-        collectives). Under MPI a fused call agrees on the rows of several calls with
-        one collective (`FusedCall`); one collective per call costs more than it saves."""
-        several = self.comm is not None and self.comm.Get_size() > 1
-        return self.skippable and not (several and self.declared)
 
     def _nonzero_rows(self, args: Sequence[np.ndarray]) -> Rows:
         """The rows of a batch of (co)tangents that are not all zero, so that the method
@@ -374,10 +337,6 @@ class HostCall(HostCallable):
         return tuple(r.reshape(batch_shape + s.shape)
                      for r, s in zip(results, self.result_specs))
 
-    @functools.cached_property
-    def _arg_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(s.shape for s in self.arg_specs)
-
     def _check(self, result: Any, batch: tuple[int, ...],
                row: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
         n = self.n_user_results
@@ -415,14 +374,6 @@ class HostCall(HostCallable):
                        if batch else "")))
             checked.append(r)
         return tuple(checked)
-
-    @functools.cached_property
-    def _expected(self) -> tuple[tuple[int, tuple[int, ...], np.dtype], ...]:
-        """Per result XLA receives: (its index among the method's results, its
-        unbatched shape, its dtype)."""
-        picks = range(self.n_user_results) if self.result_picks is None else self.result_picks
-        return tuple((k, tuple(s.shape), np.dtype(s.dtype))
-                     for k, s in zip(picks, self.result_specs))
 
     def _describe(self, row: tuple[int, ...] | None) -> tuple[str, str]:
         """**Returns:** (where in the batch, what the results are), for messages."""

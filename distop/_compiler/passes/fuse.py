@@ -24,7 +24,7 @@ from jax.extend.core import (
 )
 
 from ..._hostcalls.fused import FusedCall, Wiring
-from ..._operators.operator import host_call_p
+from ..._operators.primitive import host_call_p
 from ..jaxprs import is_lean, lean_calls, other_effects, positions, variables
 from .base import Context, Pass
 

@@ -4,7 +4,7 @@ checkpoints, so that their operator calls take the lean path.
 While a program is traced, a call inside the body of a `lax.scan`, `fori_loop`,
 `while_loop`, `cond`/`switch`, `jax.checkpoint` or inner `jax.jit` cannot take the
 session's token: the body is a program of its own, traced apart. It takes a placeholder
-instead (see `_operator._bind`). `threaded` then rewrites the traced program: every lean
+instead (see `primitive.bind_call`). `threaded` then rewrites the traced program: every lean
 call, at any depth, takes the token of the call before it in program order. A loop
 carries the token as its first carried value, a branch takes it as its first operand
 and returns it as its first result, a checkpoint takes and returns it likewise, and an

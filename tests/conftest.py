@@ -1,7 +1,9 @@
+import os
 import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 TESTS = Path(__file__).resolve().parent
@@ -23,3 +25,28 @@ def pytest_ignore_collect(collection_path, config):
         asked = [Path(arg.split("::")[0]).resolve() for arg in config.args]
         return not any(a == MPI_TESTS or MPI_TESTS in a.parents for a in asked)
     return None
+
+
+# set on every rank by the launchers (MPICH's, Open MPI's, Slurm's through PMI)
+_LAUNCHED = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many worker processes `-n auto` (the default) starts: none on a rank of an MPI
+    launch (every rank is one pytest, see tests/mpi/conftest.py); else one per core, up
+    to four (each MPI test starts ranks of its own)."""
+    if any(name in os.environ for name in _LAUNCHED):
+        return 0
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that launch MPI jobs first, those that launch tests/mpi (the longest)
+    before the others, so that no worker is left with a long one at the end; the
+    examples' tests in one xdist group (they share the launches of the `example`
+    fixture)."""
+    items.sort(key=lambda item: (item.get_closest_marker("mpi") is None,
+                                 not item.name.startswith("test_cases")))
+    for item in items:
+        if "example" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("examples"))

@@ -71,7 +71,9 @@ def _runs(nprocs, folder):
              for n, split in OPTIMIZE if n == nprocs]
     runs += [("data_parallel", ("--split", split) if split else ())
              for n, split in DATA_PARALLEL if n == nprocs]
-    runs += [("load_imbalance", ("--where", where, "--slow-rank", slow, "--factor", 4,
+    # (the slow rank does 8 times the work: its extra time stays well above what other
+    # tests running beside the launch add to any rank)
+    runs += [("load_imbalance", ("--where", where, "--slow-rank", slow, "--factor", 8,
                                  "--repeat", 8, "--trace", folder / f"trace-{n}-{where}.json",
                                  *(("--plot", folder / "profile.png")
                                    if n == 2 and where == "method" and PLOT else ())))
@@ -79,11 +81,12 @@ def _runs(nprocs, folder):
     return runs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def example(tmp_path_factory):
     """`example(name, nprocs, index=0)`: **Returns:** `(exit codes, output)` of the
     example's run on `nprocs` ranks (its `index`-th run there). Every run of that rank
-    count is in one launch, made once."""
+    count is in one launch, made once per process (its tests are one xdist group: one
+    worker runs them all, with other tests between them)."""
     folder, launches = tmp_path_factory.mktemp("examples"), {}
 
     def frame(name, nprocs, index=0):

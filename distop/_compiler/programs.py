@@ -95,17 +95,17 @@ class Programs:
     - `size`: how many layouts (shapes of the inputs) it keeps, with their programs;
       past that the least recently used goes, on every rank alike (every rank makes
       the same calls in the same order).
-    - `settle`: called on every rank after the model is traced for a new layout, with
-      the coordinator's elementwise max over ranks (the model's kinds compare the
+    - `after_trace`: called on every rank after the model is traced for a new layout,
+      with the coordinator's elementwise max over ranks (the model's kinds compare the
       constants it closes over there: see `_inference`).
     """
 
     def __init__(self, model: Callable[..., Any], coordinator: Coordinator, backend: str,
                  fuse: bool, size: int,
-                 settle: Callable[[Callable[[np.ndarray], np.ndarray]], None] = lambda most: None,
-                 ) -> None:
+                 after_trace: Callable[[Callable[[np.ndarray], np.ndarray]], None] = (
+                     lambda most: None)) -> None:
         self.model = model
-        self.settle = settle
+        self.after_trace = after_trace
         self.coordinator = coordinator
         self.comm = coordinator.comm
         self.distributed = coordinator.distributed
@@ -186,7 +186,7 @@ class Programs:
         # The run program, traced now: its outputs are the layout's (one trace of the
         # model serves both), and `_program` takes it over once the layout exists.
         run = self.trace("run", (), TracingInputs(inputs), (), True)
-        self.settle(self.coordinator.most)
+        self.after_trace(self.coordinator.most)
         outputs = {k: jax.ShapeDtypeStruct(*run.outputs[k]) for k in sorted(run.outputs)}
         self._traced_run = (inputs, run)
         if self.comm.Get_size() == 1:

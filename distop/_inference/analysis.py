@@ -255,12 +255,7 @@ def _while(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts, carry = infos[:nc], infos[nc:nc + nb], infos[nc + nb:]
-    while True:
-        outs, body_plan = _closed(p["body_jaxpr"], body_consts + carry)
-        wider = [join([c, o]) for c, o in zip(carry, outs)]
-        if wider == carry:
-            break
-        carry = wider
+    outs, body_plan, carry = _scan_fixed(p["body_jaxpr"], body_consts, carry, [])
     (test,), cond_plan = _closed(p["cond_jaxpr"], cond_consts + carry)
     if test.kind == VARYING:
         carry = [Info(VARYING, c.live, c.source) for c in carry]

@@ -76,7 +76,7 @@ def with_kinds(fn: Callable[..., Any], distributed: str | int | Iterable[str | i
     assert np.allclose(grad, MPI.COMM_WORLD.allreduce(x_local))
     ```
     """
-    inference = Inference(comm, distributed, agree_at_trace=True)
+    inference = Inference(comm, distributed, compare_at_trace=True)
     return inference.wrap(fn)
 
 
@@ -86,20 +86,20 @@ class Inference:
     **Arguments:**
     - `comm`: the communicator, or None for `MPI.COMM_WORLD`.
     - `distributed`: the varying arguments, by name or position.
-    - `agree_at_trace`: whether each trace compares the constants across ranks at once
+    - `compare_at_trace`: whether each trace compares the constants across ranks at once
       (`with_kinds`); else constants not seen before count as replicated until
-      `settle` compares them, which a Problem calls where every rank is (after its run
-      program is traced).
+      `compare_constants` compares them, which a Problem calls where every rank is
+      (after its run program is traced).
     """
 
-    def __init__(self, comm: Any, distributed: Any, agree_at_trace: bool) -> None:
+    def __init__(self, comm: Any, distributed: Any, compare_at_trace: bool) -> None:
         self.comm = _comm.private(comm)
         names = [distributed] if isinstance(distributed, (str, int)) else list(distributed)
         self.distributed = frozenset(names)
-        self.agree_at_trace = agree_at_trace
+        self.compare_at_trace = compare_at_trace
         self.total = AllreduceSum(comm=comm)
         self.kinds: dict[int, int] = {}  # a constant's hash -> its kind, as agreed
-        self.pending: list[int] = []  # hashes not agreed yet (see `settle`)
+        self.pending: list[int] = []  # hashes not compared yet (see `compare_constants`)
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """**Returns:** `fn`, traced through this inference."""
@@ -126,7 +126,7 @@ class Inference:
             with _ffi.paused():
                 closed = jax.make_jaxpr(flat)(*leaves)
         except Exception as err:
-            if self.agree_at_trace:  # (with_kinds: never a silent call without kinds)
+            if self.compare_at_trace:  # (with_kinds: never a silent call without kinds)
                 raise DistopError(
                     f"with_kinds: {getattr(fn, '__name__', 'the function')} could not be "
                     f"traced on its own ({type(err).__name__}: {err}). Its arguments "
@@ -165,27 +165,27 @@ class Inference:
 
     def _constant_kinds(self, consts: list[Any]) -> list[Info]:
         """**Returns:** the `Info` of each constant: varying where its value differs
-        between ranks (compared now, or at `settle`, as `agree_at_trace` says); a value
-        of an enclosing trace counts as replicated."""
+        between ranks (compared now, or at `compare_constants`, as `compare_at_trace`
+        says); a value of an enclosing trace counts as replicated."""
         hashes = [None if isinstance(c, jax.core.Tracer) else _content_hash(c)
                   for c in consts]
-        if self.agree_at_trace:
+        if self.compare_at_trace:
             known = [h for h in hashes if h is not None]
-            kinds = dict(zip(known, agree(self.comm, known, strict=True)))
+            kinds = dict(zip(known, kinds_by_hash(self.comm, known, strict=True)))
         else:
             kinds = self.kinds
             self.pending.extend(h for h in hashes if h is not None and h not in kinds)
         return [Info(kinds.get(h, REPLICATED) if h is not None else REPLICATED)
                 for h in hashes]
 
-    def settle(self, most: Callable[[np.ndarray], np.ndarray]) -> None:
+    def compare_constants(self, most: Callable[[np.ndarray], np.ndarray]) -> None:
         """Compare the constants met since the last call across ranks (collective: every
         rank calls it at the same point), with `most` (the elementwise max over ranks)."""
         pending, self.pending = self.pending, []
-        self.kinds.update(zip(pending, agree(self.comm, pending, most=most)))
+        self.kinds.update(zip(pending, kinds_by_hash(self.comm, pending, most=most)))
 
 
-def agree(comm: Any, hashes: list[int], strict: bool = False,
+def kinds_by_hash(comm: Any, hashes: list[int], strict: bool = False,
           most: Callable[[np.ndarray], np.ndarray] | None = None) -> list[int]:
     """Find which of a list of constants differ between ranks, from their hashes.
 

@@ -157,9 +157,9 @@ class Problem:
         self.input_names = tuple(self._point)
         # (the model's kinds: where a replicated input meets varying data, its
         # cotangent is summed over the ranks; see `_inference`)
-        inference = Inference(comm, self.distributed, agree_at_trace=False)
+        inference = Inference(comm, self.distributed, compare_at_trace=False)
         self._programs = Programs(inference.wrap(model), self._coordinator, self.backend,
-                                  self.fuse, size, inference.settle)
+                                  self.fuse, size, inference.compare_constants)
         self._executor = Executor(self._coordinator)
         # (the options that shape the programs are part of the first request)
         layout = self._programs.layout(self._point, ("Problem", f"backend={self.backend}",

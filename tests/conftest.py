@@ -3,7 +3,6 @@ import sys
 from pathlib import Path
 
 import jax
-import pytest
 
 jax.config.update("jax_enable_x64", True)
 TESTS = Path(__file__).resolve().parent
@@ -42,11 +41,6 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_collection_modifyitems(config, items):
     """The tests that launch MPI jobs first, those that launch tests/mpi (the longest)
-    before the others, so that no worker is left with a long one at the end; the
-    examples' tests in one xdist group (they share the launches of the `example`
-    fixture)."""
+    before the others, so that no worker is left with a long one at the end."""
     items.sort(key=lambda item: (item.get_closest_marker("mpi") is None,
                                  not item.name.startswith("test_cases")))
-    for item in items:
-        if "example" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("examples"))

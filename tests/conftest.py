@@ -36,7 +36,9 @@ def pytest_xdist_auto_num_workers(config):
     to four (each MPI test starts ranks of its own)."""
     if any(name in os.environ for name in _LAUNCHED):
         return 0
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return max(1, min(4, cores))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -9,6 +10,25 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS.parent / "examples"))
 MPI_TESTS = TESTS / "mpi"
+
+
+def _cache_bytecode():
+    """Let this process and every process it starts cache compiled modules outside the
+    source tree, where the environment asks Python to write none (PYTHONDONTWRITEBYTECODE).
+
+    Without it, every rank of every launch compiles distop's modules and the tests'
+    from source again. The cache lives in the temporary folder
+    (`PYTHONPYCACHEPREFIX`), so the tree stays as clean as the setting wanted."""
+    if not sys.dont_write_bytecode:
+        return
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX") or os.path.join(
+        tempfile.gettempdir(), f"distop-tests-pycache-{os.getuid()}")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    sys.pycache_prefix, sys.dont_write_bytecode = prefix, False
+
+
+_cache_bytecode()
 
 
 def pytest_configure(config):
@@ -32,13 +52,14 @@ _LAUNCHED = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 
 def pytest_xdist_auto_num_workers(config):
     """How many worker processes `-n auto` (the default) starts: none on a rank of an MPI
-    launch (every rank is one pytest, see tests/mpi/conftest.py); else one per core, up
-    to four (each MPI test starts ranks of its own)."""
+    launch (every rank is one pytest, see tests/mpi/conftest.py); else two per core, up
+    to eight. An MPI test leaves the cores idle for much of its time (its ranks start,
+    or wait out a watchdog's limit), and another worker's tests fill them meanwhile."""
     if any(name in os.environ for name in _LAUNCHED):
         return 0
     cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
              else os.cpu_count() or 1)
-    return max(1, min(4, cores))
+    return max(1, min(8, 2 * cores))
 
 
 def pytest_collection_modifyitems(config, items):

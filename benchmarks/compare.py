@@ -11,6 +11,8 @@ suite reads may differ between them.
 Every cell is the median over the rounds of what the suite reports (per-call times,
 the max over ranks of each rank's median). Columns that are the same code in both
 versions (`hand`, the hand-written script) show how much the machine itself varied.
+Failed suite jobs of either version are printed after the tables, and the script then
+exits non-zero.
 """
 
 import argparse
@@ -30,7 +32,7 @@ OVERHEAD = ("HostCall", "empty program", "program 1 call", "program 16 fused",
 
 
 def run_suite(tree, args, out):
-    """Run `tree`'s suite with `tree`'s distop. **Returns:** its results (the JSON)."""
+    """Run `tree`'s suite with `tree`'s distop. **Returns:** its JSON (`results`, `failures`)."""
     command = [sys.executable, str(tree / "benchmarks" / "suite.py"), "--sections",
                *args.sections, "--ranks", *map(str, args.ranks), "--json", str(out)]
     if args.quick:
@@ -40,7 +42,7 @@ def run_suite(tree, args, out):
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0 and not out.exists():
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())
 
 
 def cells(results):
@@ -77,10 +79,13 @@ def main():
                             str(base), args.base], check=True)
         try:
             seen = {"base": [], "new": []}
+            failed = {"base": [], "new": []}
             for r in range(args.rounds):
                 for name, tree in (("base", base), ("new", ROOT)):
                     out = pathlib.Path(tmp) / f"{name}-{r}.json"
-                    seen[name].append(cells(run_suite(tree, args, out)))
+                    recorded = run_suite(tree, args, out)
+                    seen[name].append(cells(recorded["results"]))
+                    failed[name] += [(r + 1, f) for f in recorded.get("failures", [])]
                     print(f"# round {r + 1} of {args.rounds}: {name} done", flush=True)
         finally:
             if not given.is_dir():
@@ -105,7 +110,13 @@ def main():
                 row.append(f"{'-':>22}" if b is None or n is None else
                            f"{b * 1e6:8.1f} {n * 1e6:8.1f} {n / b:4.2f}")
             print("  ".join(row))
+    for name, failures in failed.items():
+        for r, failure in failures:
+            report = "\n".join(failure["report"].splitlines()[-20:])
+            print(f"\n# FAILED: {name}, round {r}: section {failure['section']} on "
+                  f"{failure['ranks']} rank(s)\n{report}", file=sys.stderr)
+    return 1 if failed["base"] or failed["new"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

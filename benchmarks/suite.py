@@ -848,6 +848,21 @@ def parse(argv):
     return args
 
 
+def recorded_path(path):
+    """Return `path` as the results file records it, so it names no other machine's folders.
+
+    **Arguments:**
+
+    - `path`: where the results are written.
+
+    **Returns:** the path relative to the repository root when it lies inside it, else
+    only its file name.
+    """
+    path = pathlib.Path(path).resolve()
+    root = HERE.parent.parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+
+
 def main(argv=None):
     args = parse(argv)
     if args.worker:
@@ -859,7 +874,8 @@ def main(argv=None):
     for line in ["", *notes(results)]:
         print(line)
     with open(args.json, "w") as f:
-        json.dump({"settings": {k: v for k, v in vars(args).items() if k != "worker"},
+        json.dump({"settings": {**{k: v for k, v in vars(args).items() if k != "worker"},
+                                "json": recorded_path(args.json)},
                    "results": results, "failures": failures}, f, indent=1)
     print(f"# results written to {args.json}"
           + (f"; {len(failures)} job(s) FAILED" if failures else ""))

@@ -249,14 +249,15 @@ def mpiexec():
 def launcher():
     """**Returns:** (the mpiexec command, the environment it needs) for the MPI library
     mpi4py loaded here: Open MPI's refuses more ranks than cores and, as root, any job,
-    unless told otherwise. MPICH's ranks spin while they wait for a message, taking the
-    cores from the rank that computes when there are more ranks than cores; told to
-    yield with a sleep, a waiting rank leaves them to it."""
+    unless told otherwise. Ranks of either library spin while they wait for a message,
+    taking the cores from the rank that computes when there are more processes than
+    cores (other tests' included); told to yield, a waiting rank leaves them to it.
+    Open MPI yields by itself only where its launcher finds more ranks than cores."""
     if "open mpi" not in MPI.Get_library_version().lower():
         return [mpiexec()], {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if (
         os.geteuid() == 0) else {}
-    return [mpiexec(), "--oversubscribe"], env
+    return [mpiexec(), "--oversubscribe"], {**env, "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 def load_factor():

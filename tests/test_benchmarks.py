@@ -97,10 +97,10 @@ def test_scale_benchmark_counts_one_fixed_size_collective_per_steady_call():
     for line in proc.stdout.splitlines():
         if line.startswith(("run ", "compute_totals ")) and "distop" in line:
             rows.setdefault(line.split("distop")[0].strip(), []).append(line)
-    # in both scenarios, distop's own traffic per steady call: one Allreduce of 40 bytes
+    # in both scenarios, distop's own traffic per steady call: one Allreduce of 24 bytes
     for entry in ("run", "compute_totals"):
         assert len(rows[entry]) == 2, proc.stdout
         for line in rows[entry]:
-            assert line.split("distop")[1].split() == ["1", "/", "40"], line
+            assert line.split("distop")[1].split() == ["1", "/", "24"], line
     assert "point-to-point peers of a steady run, per rank (at most): P=2: 1" in proc.stdout
     assert "P=16384" in proc.stdout, proc.stdout

@@ -292,15 +292,20 @@ class CallAgreement:
     and every rank's own block sizes are those the layout was made for (`expect`).
 
     Each rank tests its own sizes against `expect` itself, so one `Allreduce(MAX)` of a
-    fixed five numbers decides it: both hashes and their negations (all ranks hold the
-    same hash exactly when its maximum is minus the maximum of its negation) and a flag
-    raised by a rank whose sizes differ or that expects none. Only where that finds a
-    difference do the ranks gather every rank's row (`gather`), padded with zeros to the
-    `width` of every agreement on its communicator (the most any rank's Problem made on
-    it sends, agreed as each Problem is made, so the same on every rank: ranks calling
-    Problems with other numbers of distributed inputs send rows of one size, and raise
-    the error of differing requests instead of MPI's of differing message sizes). Both
-    steps depend only on what every rank sent, so every rank decides alike.
+    fixed three numbers decides it: one hash of both hashes, its negation (all ranks
+    hold the same hash exactly when its maximum is minus the maximum of its negation)
+    and a flag raised by a rank whose sizes differ or that expects none. Few numbers
+    keep the reduction on its shortest algorithm: MPICH, for one, reduces a vector at
+    least as long as the largest power of two not above the number of ranks in two
+    phases (a reduce-scatter, then an allgather), twice the steps of the recursive
+    doubling it takes for a shorter one; three numbers take the short one from four
+    ranks on. Only where that finds a difference do the ranks gather every rank's row
+    (`gather`), padded with zeros to the `width` of every agreement on its
+    communicator (the most any rank's Problem made on it sends, agreed as each Problem
+    is made, so the same on every rank: ranks calling Problems with other numbers of
+    distributed inputs send rows of one size, and raise the error of differing
+    requests instead of MPI's of differing message sizes). Both steps depend only on
+    what every rank sent, so every rank decides alike.
 
     Made before the program where the rank made no layout in advance, or where the
     program cannot make it (see `Program.makes_agreement`); else by the program's first host
@@ -334,13 +339,13 @@ class CallAgreement:
             rank = self.comm.Get_rank()
             own = mine[2:2 + self.sizes]
             mine_fit = all(sizes[rank] == size for sizes, size in zip(expect, own))
-        summary = np.array([mine[0], mine[1], -mine[0], -mine[1], 0 if mine_fit else 1],
-                           np.int64)
-        extremes = np.empty(5, np.int64)
+        both = (mine[0] * _MIX + mine[1]) & _HASHES  # (one hash of the two)
+        summary = np.array([both, -both, 0 if mine_fit else 1], np.int64)
+        extremes = np.empty(3, np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
             self.comm.Allreduce(summary, extremes, op=_max())
         top = extremes.tolist()
-        return top[0] != -top[2] or top[1] != -top[3] or top[4] != 0
+        return top[0] != -top[1] or top[2] != 0
 
     def gather(self) -> np.ndarray:
         """**Returns:** every rank's `mine`, one row per rank (after `ranks_differ`,
@@ -361,6 +366,13 @@ class CallAgreement:
                                or block_sizes(self.every, self.sizes) != self.expect)
         return self.missed
 
+
+# The hash of a (request hash, layout hash) pair: the first times an odd number plus the
+# second, modulo 2**63. For one layout hash, distinct request hashes give distinct
+# results (an odd number is invertible modulo a power of two); other pairs collide only
+# by chance.
+_MIX = 0x9E3779B97F4A7C15
+_HASHES = (1 << 63) - 1
 
 # The agreement offered to the host calls of the program running now, if its first
 # call is to make it. Only `Coordinator.offer` sets it (one program runs at a time in

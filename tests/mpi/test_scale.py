@@ -47,11 +47,11 @@ def test_distop_s_own_traffic_per_steady_state_call_is_one_fixed_size_reduction(
         return {"f": jnp.dot(w, y), "g": jnp.sum(y ** 2)}
 
     problem = distop.Problem(model, {"x": np.ones(4)}, comm=counting)
-    own = {} if size == 1 else {"Allreduce": 1}  # (5 int64: 40 bytes, whatever the size)
+    own = {} if size == 1 else {"Allreduce": 1}  # (3 int64: 24 bytes, whatever the size)
     for entry in (problem.run, lambda: problem.compute_totals(["f", "g"], "x")):
         for tally in steady(entry):
             assert tally.calls.get("own", {}) == own, tally
-            assert tally.received.get("own", 0) == (40 if own else 0), tally
+            assert tally.received.get("own", 0) == (24 if own else 0), tally
             assert set(tally.calls["operator"]) == {"Allreduce"}, tally  # (counted apart)
 
 
@@ -64,7 +64,7 @@ def test_a_fused_call_s_rows_are_agreed_in_a_reduction_of_a_fixed_size(counting)
     for tally in steady(lambda: problem.compute_totals(["f", "g"], "x")):
         own = tally.calls.get("own", {})
         assert set(own) <= {"Allreduce"} and own.get("Allreduce", 0) <= 2, tally
-        assert tally.received.get("own", 0) <= 40 + 8, tally  # (2 rows of 2 members)
+        assert tally.received.get("own", 0) <= 24 + 8, tally  # (2 rows of 2 members)
 
 
 def test_a_replicated_input_s_totals_are_checked_on_a_program_s_first_call_only(counting):

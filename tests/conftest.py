@@ -57,9 +57,9 @@ def pytest_xdist_auto_num_workers(config):
     or wait out a watchdog's limit), and another worker's tests fill them meanwhile."""
     if any(name in os.environ for name in _LAUNCHED):
         return 0
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count() or 1)
-    return max(1, min(8, 2 * cores))
+    from helpers import cores  # (on the path set above)
+
+    return max(1, min(8, 2 * cores()))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -260,6 +260,12 @@ def launcher():
     return [mpiexec(), "--oversubscribe"], {**env, "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
+def cores():
+    """**Returns:** how many cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+
+
 def load_factor():
     """**Returns:** how many times longer than on an idle machine a job may take here:
     the load per core, at least 1 and at most 4. Time limits scale with it, so a busy

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from helpers import CORE, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
+from helpers import CORE, SUITE_TIMEOUT, TESTS, cores, run_mpi, run_tests
 
 from distop._diagnostics.report import check_trace
 
@@ -219,19 +219,15 @@ def test_load_imbalance_example_names_the_slow_rank(nprocs, slow, where, example
         assert picture.read_bytes()[:4] == b"\x89PNG"
 
 
-def _cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 @pytest.mark.parametrize("nprocs, threads", [(2, 1), (4, 1), (2, "cores")])
 def test_doctor_under_mpiexec(nprocs, threads):
-    threads = _cores() if threads == "cores" else threads
+    threads = cores() if threads == "cores" else threads
     code, out = run_mpi(nprocs, "-m", "distop", "doctor", expect_ok=False, timeout=120,
                         env={"OMP_NUM_THREADS": str(threads)})
     assert f"distop doctor: {nprocs} rank(s)" in out and "probe      ping-pong" in out, out
     assert out.count("distop doctor:") == 1, out  # one screen, from rank 0
     assert "  compute    numpy kernel" in out and "slowest rank" in out, out
-    crowded = nprocs * threads > _cores()
+    crowded = nprocs * threads > cores()
     # (a machine shared with other work may warn of that too)
     assert ("oversubscribed" in out) == crowded and (code == 0) == ("healthy" in out), out
     assert code == 1 or not crowded, out

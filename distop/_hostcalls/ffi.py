@@ -350,18 +350,17 @@ def session() -> Session | None:
 _sessions = itertools.count(1)
 
 
-class tracing:
-    """Context manager: trace a program with the lean path, starting from `token`.
+class _scope:
+    """Context manager: a JAX setting of its own (`_compat.lean_session`) and `session` as
+    the current session while it lasts, so that JAX traces the bodies of loops and
+    branches afresh inside it: a body traced in one scope is not reused by another
+    program, or outside a Problem, with its calls."""
 
-    The session's number is a JAX setting while it lasts (`_compat.lean_session`), so
-    JAX traces the bodies of loops and branches afresh for each session: a body traced
-    once is not reused by another program, or outside a Problem, with its calls."""
-
-    def __init__(self, token: Any) -> None:
-        self.session = Session(token)
+    def __init__(self, session: Session | None) -> None:
+        self.session = session
         self.key = lean_session(next(_sessions))
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Session | None:
         self.previous = session()
         self.key.__enter__()
         _state.session = self.session
@@ -372,19 +371,30 @@ class tracing:
         self.key.__exit__(*exc)
 
 
-class paused(tracing):
+class tracing(_scope):
+    """Context manager: trace a program with the lean path, starting from `token`."""
+
+    def __init__(self, token: Any) -> None:
+        super().__init__(Session(token))
+
+    def __enter__(self) -> Session:
+        started = super().__enter__()
+        assert started is not None  # (made in `__init__`)
+        return started
+
+
+class paused(_scope):
     """Context manager: trace a model for its structure only (its kinds), never to be
     run: without the lean path, every call unordered (JAX then refuses none inside its
     own transformations). A setting of its own keeps JAX from reusing bodies traced
     here in a session's program."""
 
     def __init__(self) -> None:
-        self.session = None  # type: ignore[assignment]
-        self.key = lean_session(next(_sessions))
+        super().__init__(None)
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> None:
         _state.structure_only = getattr(_state, "structure_only", 0) + 1
-        return super().__enter__()
+        super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)

@@ -182,16 +182,18 @@ class Coordinator:
                 else None
             if guess is not None:
                 self._pending = CallAgreement(self.comm, [fixed[1], guess[1], *own],
-                                              _widths[self.comm], guess[0])
+                                              _widths[self.comm], guess[2], guess[0])
                 return guess[0], True
-            first = CallAgreement(self.comm, [fixed[1], -1, *own], _widths[self.comm])
+            first = CallAgreement(self.comm, [fixed[1], -1, *own], _widths[self.comm],
+                                  stable_hash((fixed[1], -1)))
             first.ranks_differ()  # (always True: no rank expects sizes here)
             every = first.gather()
         if (every[:, 0] != every[0, 0]).any():
             self._differ(fixed, refused)
         counts = block_sizes(every, len(own))
-        if may_defer:
-            self._guesses[local, request] = (counts, stable_hash(counts))
+        if may_defer:  # (the sizes, their hash, and one hash of it and the request's)
+            made = stable_hash(counts)
+            self._guesses[local, request] = (counts, made, stable_hash((fixed[1], made)))
         if refused is not None:  # (every rank refused)
             raise refused
         return counts, False
@@ -292,7 +294,8 @@ class CallAgreement:
     and every rank's own block sizes are those the layout was made for (`expect`).
 
     Each rank tests its own sizes against `expect` itself, so one `Allreduce(MAX)` of a
-    fixed three numbers decides it: one hash of both hashes, its negation (all ranks
+    fixed three numbers decides it: one hash of both hashes (`key`, made with them), its
+    negation (all ranks
     hold the same hash exactly when its maximum is minus the maximum of its negation)
     and a flag raised by a rank whose sizes differ or that expects none. Few numbers
     keep the reduction on its shortest algorithm: MPICH, for one, reduces a vector at
@@ -319,11 +322,11 @@ class CallAgreement:
 
     # The row is kept as Python ints until a gather needs it as an array: the check of
     # every call is then a handful of integer operations around its one reduction.
-    __slots__ = ("comm", "every", "expect", "mine", "missed", "sizes")
+    __slots__ = ("comm", "every", "expect", "key", "mine", "missed", "sizes")
 
-    def __init__(self, comm: Any, mine: list[int], width: int,
+    def __init__(self, comm: Any, mine: list[int], width: int, key: int,
                  expect: tuple | None = None) -> None:
-        self.comm, self.expect, self.sizes = comm, expect, len(mine) - 2
+        self.comm, self.key, self.expect, self.sizes = comm, key, expect, len(mine) - 2
         self.mine = mine + [0] * (width - len(mine))
         self.every: np.ndarray | None = None
         self.missed: bool | None = None
@@ -339,8 +342,7 @@ class CallAgreement:
             rank = self.comm.Get_rank()
             own = mine[2:2 + self.sizes]
             mine_fit = all(sizes[rank] == size for sizes, size in zip(expect, own))
-        both = (mine[0] * _MIX + mine[1]) & _HASHES  # (one hash of the two)
-        summary = np.array([both, -both, 0 if mine_fit else 1], np.int64)
+        summary = np.array([self.key, -self.key, 0 if mine_fit else 1], np.int64)
         extremes = np.empty(3, np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
             self.comm.Allreduce(summary, extremes, op=_max())
@@ -366,13 +368,6 @@ class CallAgreement:
                                or block_sizes(self.every, self.sizes) != self.expect)
         return self.missed
 
-
-# The hash of a (request hash, layout hash) pair: the first times an odd number plus the
-# second, modulo 2**63. For one layout hash, distinct request hashes give distinct
-# results (an odd number is invertible modulo a power of two); other pairs collide only
-# by chance.
-_MIX = 0x9E3779B97F4A7C15
-_HASHES = (1 << 63) - 1
 
 # The agreement offered to the host calls of the program running now, if its first
 # call is to make it. Only `Coordinator.offer` sets it (one program runs at a time in

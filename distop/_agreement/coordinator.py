@@ -293,20 +293,17 @@ class CallAgreement:
     (that of the sizes of the request's last call) when all hold the same two hashes
     and every rank's own block sizes are those the layout was made for (`expect`).
 
-    Each rank tests its own sizes against `expect` itself, so one `Allreduce(MAX)` of a
+    Each rank tests its own sizes against `expect` itself, so one `Allreduce` of the maximum of a
     fixed three numbers decides it: one hash of both hashes (`key`, made with them), its
-    negation (all ranks
-    hold the same hash exactly when its maximum is minus the maximum of its negation)
-    and a flag raised by a rank whose sizes differ or that expects none. Few numbers
-    keep the reduction on its shortest algorithm: MPICH, for one, reduces a vector at
-    least as long as the largest power of two not above the number of ranks in two
-    phases (a reduce-scatter, then an allgather), twice the steps of the recursive
-    doubling it takes for a shorter one; three numbers take the short one from four
-    ranks on. Only where that finds a difference do the ranks gather every rank's row
-    (`gather`), padded with zeros to the `width` of every agreement on its
-    communicator (the most any rank's Problem made on it sends, agreed as each Problem
-    is made, so the same on every rank: ranks calling Problems with other numbers of
-    distributed inputs send rows of one size, and raise the error of differing
+    negation (all ranks hold the same hash exactly when its maximum is minus the
+    maximum of its negation) and a flag raised by a rank whose sizes differ or that
+    expects none. The three travel as one element (see `comm.most`), which keeps the
+    reduction on MPI's shortest algorithm at any number of ranks. Only where that
+    finds a difference do the ranks gather every rank's row (`gather`), padded with
+    zeros to the `width` of every agreement on its communicator (the most any rank's
+    Problem made on it sends, agreed as each Problem is made, so the same on every
+    rank: ranks calling Problems with other numbers of distributed inputs send rows of
+    one size, and raise the error of differing
     requests instead of MPI's of differing message sizes). Both steps depend only on
     what every rank sent, so every rank decides alike.
 
@@ -343,10 +340,8 @@ class CallAgreement:
             own = mine[2:2 + self.sizes]
             mine_fit = all(sizes[rank] == size for sizes, size in zip(expect, own))
         summary = np.array([self.key, -self.key, 0 if mine_fit else 1], np.int64)
-        extremes = np.empty(3, np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
-            self.comm.Allreduce(summary, extremes, op=_max())
-        top = extremes.tolist()
+            top = _comm.most(self.comm, summary).tolist()
         return top[0] != -top[1] or top[2] != 0
 
     def gather(self) -> np.ndarray:

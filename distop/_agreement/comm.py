@@ -277,8 +277,8 @@ def _elementwise_max() -> Any:
 
 def _maximum_into(incoming: Any, inout: Any, kind: Any) -> None:
     """The body of `_elementwise_max`: `inout` becomes the elementwise maximum of both
-    buffers."""
-    import numpy as np
-
-    mine = np.frombuffer(inout, np.int64)
-    np.maximum(np.frombuffer(incoming, np.int64), mine, out=mine)
+    buffers. (A short loop over memoryviews costs less than numpy's call here.)"""
+    mine, theirs = memoryview(inout).cast("B").cast("q"), memoryview(incoming).cast("B").cast("q")
+    for i, value in enumerate(theirs):
+        if value > mine[i]:
+            mine[i] = value

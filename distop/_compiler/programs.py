@@ -143,7 +143,7 @@ class Programs:
                 f"{self.x64} and is called with {not self.x64}: its programs and values "
                 "are in the other precision. Change jax_enable_x64 back, or make a new "
                 "Problem after changing it.")
-        local = tuple((k, v.shape, v.dtype.str) for k, v in point.items())
+        local = tuple([(k, v.shape, v.dtype.str) for k, v in point.items()])
         dist_inputs = [k for k in point if k in self.distributed]
         counts, guessed = self.coordinator.request(
             local, request, [point[k].shape[0] for k in dist_inputs], refused, may_defer)

@@ -31,6 +31,11 @@ from .inputs import empty
 __all__ = ["MODES", "Problem", "empty"]
 
 Names = str | Iterable[str] | None  # what `of` and `wrt` take
+# What a totals call's attempt gives: (its layout, the `of` and `wrt` names, the
+# direction, the program and its sweeps; no program where there is nothing to sweep).
+# (Named once here: a nested function's annotations are made on every call.)
+_Attempt = tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program | None,
+                 dict[str, Any] | None]
 
 
 Arguments = ParamSpec("Arguments")
@@ -315,8 +320,7 @@ class Problem:
         """`compute_totals`; `check_ranks=False` leaves out the check that the blocks of
         replicated inputs are the same on every rank (`check_totals` reports ranks that
         differ in its own way)."""
-        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
-                               Program | None, dict[str, Any] | None]:
+        def attempt() -> _Attempt:
             layout, names, ins, way = self._totals_request(
                 "compute_totals", self._point, of, wrt, mode, return_format, direction)
             if not names or not ins:

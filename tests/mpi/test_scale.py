@@ -109,3 +109,38 @@ def test_a_halo_exchange_on_long_blocks_messages_its_two_neighbours_only(countin
             # per halo call, one message to each neighbour and one from each
             calls = operator.get("Isend", 0)
             assert calls == operator.get("Irecv", 0) and calls % max(len(neighbours), 1) == 0
+
+
+class _Recording(MPI.Intracomm):
+    """A communicator that keeps the send buffer specification of each Allreduce."""
+
+    sent: list = []
+
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):  # noqa: N802 - mpi4py's name
+        type(self).sent.append(sendbuf)
+        return super().Allreduce(sendbuf, recvbuf, op)
+
+
+@pytest.mark.parametrize("length", [1, 3, 32, 33, 100])
+def test_distop_s_elementwise_maximum_is_right_and_sends_a_short_vector_as_one_element(
+        length):
+    from distop._agreement.comm import most
+
+    recording = _Recording(comm.Dup())
+    try:
+        rng = np.random.default_rng(length + 97 * rank)
+        mine = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, length,
+                            dtype=np.int64)
+        mine[0] = np.iinfo(np.int64).min + rank  # (extremes survive the reduction)
+        _Recording.sent.clear()
+        found = most(recording, mine)
+        every = np.array(comm.allgather(mine))
+        np.testing.assert_array_equal(found, every.max(axis=0))
+        if size > 1:
+            (spec,) = _Recording.sent
+            # one element of a datatype of `length` int64s where short, else the array
+            assert isinstance(spec, list) == (length <= 32), spec
+            if isinstance(spec, list):
+                assert spec[1] == 1 and spec[2].Get_size() == 8 * length, spec
+    finally:
+        recording.Free()

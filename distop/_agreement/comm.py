@@ -233,18 +233,21 @@ def most(comm: Any, vector: Any) -> Any:
     Values alike everywhere are found by sending `h` and `-h` (alike where
     max h == -max -h).
 
-    A short vector travels as one element of a contiguous datatype, reduced by an
+    A vector at least as long as the largest power of two not above the number of
+    ranks, yet short, travels as one element of a contiguous datatype, reduced by an
     operation of distop's own: MPI picks a reduction's algorithm by its count, and
-    MPICH, for one, reduces a count at least the largest power of two not above the
-    number of ranks in two phases (a reduce-scatter, then an allgather), twice the
-    steps of the recursive doubling it takes for a count of one."""
+    MPICH, for one, reduces such a count in two phases (a reduce-scatter, then an
+    allgather), twice the steps of the recursive doubling it takes for a smaller one.
+    A smaller count goes as it is, reduced by MPI's own maximum: the operation of
+    distop's own runs Python at every step of the reduction."""
     import numpy as np
 
-    if comm.Get_size() == 1:
+    ranks = comm.Get_size()
+    if ranks == 1:
         return vector
     vector = np.ascontiguousarray(vector, np.int64)
     found = np.empty_like(vector)
-    if vector.size > _SHORT:
+    if vector.size < 1 << (ranks.bit_length() - 1) or vector.size > _SHORT:
         comm.Allreduce(vector, found, op=mpi().MAX)
     else:
         kind = _packed(vector.size)

@@ -297,8 +297,8 @@ class CallAgreement:
     fixed three numbers decides it: one hash of both hashes (`key`, made with them), its
     negation (all ranks hold the same hash exactly when its maximum is minus the
     maximum of its negation) and a flag raised by a rank whose sizes differ or that
-    expects none. The three travel as one element (see `comm.most`), which keeps the
-    reduction on MPI's shortest algorithm at any number of ranks. Only where that
+    expects none. `comm.most` keeps the reduction on MPI's shortest algorithm at any
+    number of ranks (at 2 and 3, it sends the three as one element). Only where that
     finds a difference do the ranks gather every rank's row (`gather`), padded with
     zeros to the `width` of every agreement on its communicator (the most any rank's
     Problem made on it sends, agreed as each Problem is made, so the same on every

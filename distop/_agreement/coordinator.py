@@ -293,19 +293,19 @@ class CallAgreement:
     (that of the sizes of the request's last call) when all hold the same two hashes
     and every rank's own block sizes are those the layout was made for (`expect`).
 
-    Each rank tests its own sizes against `expect` itself, so one `Allreduce` of the maximum of a
-    fixed three numbers decides it: one hash of both hashes (`key`, made with them), its
-    negation (all ranks hold the same hash exactly when its maximum is minus the
-    maximum of its negation) and a flag raised by a rank whose sizes differ or that
-    expects none. `comm.most` keeps the reduction on MPI's shortest algorithm at any
-    number of ranks (at 2 and 3, it sends the three as one element). Only where that
-    finds a difference do the ranks gather every rank's row (`gather`), padded with
-    zeros to the `width` of every agreement on its communicator (the most any rank's
-    Problem made on it sends, agreed as each Problem is made, so the same on every
-    rank: ranks calling Problems with other numbers of distributed inputs send rows of
-    one size, and raise the error of differing
-    requests instead of MPI's of differing message sizes). Both steps depend only on
-    what every rank sent, so every rank decides alike.
+    Each rank tests its own sizes against `expect` itself, so one reduction of a fixed
+    three numbers to their maximum decides it: one hash of both hashes (`key`, made
+    with them), its negation (all ranks hold the same hash exactly when its maximum is
+    minus the maximum of its negation) and a flag raised by a rank whose sizes differ
+    or that expects none. `comm.most` keeps the reduction on MPI's shortest algorithm
+    at any number of ranks (at 2 and 3, it sends the three as one element). Only where
+    that finds a difference do the ranks gather every rank's row (`gather`), padded
+    with zeros to the `width` of every agreement on its communicator (the most any
+    rank's Problem made on it sends, agreed as each Problem is made, so the same on
+    every rank: ranks calling Problems with other numbers of distributed inputs send
+    rows of one size, and raise the error of differing requests instead of MPI's of
+    differing message sizes). Both steps depend only on what every rank sent, so every
+    rank decides alike.
 
     Made before the program where the rank made no layout in advance, or where the
     program cannot make it (see `Program.makes_agreement`); else by the program's first host

@@ -500,7 +500,6 @@ def test_the_watchdog_names_a_step_of_making_a_problem_once(monkeypatch):
                         lambda where: watched.append(where) or contextlib.nullcontext())
     coordinator = object.__new__(_coordinator.Coordinator)
     coordinator.comm = TwoRanks()
-    monkeypatch.setattr(_coordinator, "_max", lambda: None)
     coordinator.collective_step("Problem: checking its arguments", lambda: 1)
     coordinator.collective_step("run: tracing the program", lambda: 2)
     assert watched == ["Problem: checking its arguments", "Problem: run: tracing the program"]

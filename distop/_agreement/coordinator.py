@@ -111,10 +111,7 @@ class Coordinator:
     def any_rank(self, mine: bool) -> bool:
         """**Returns:** whether `mine` is True on some rank: one reduction of a fixed
         size, whatever the number of ranks."""
-        flag = np.array([1 if mine else 0], np.int64)
-        found = np.empty_like(flag)
-        self.comm.Allreduce(flag, found, op=_max())
-        return bool(found[0])
+        return bool(_comm.most(self.comm, np.array([1 if mine else 0], np.int64))[0])
 
     def most(self, vector: np.ndarray) -> np.ndarray:
         """**Returns:** the elementwise maximum of an int64 `vector` over the ranks
@@ -387,20 +384,6 @@ def block_sizes(every: np.ndarray, sizes: int) -> tuple:
     """Per distributed input (`sizes` of them), every rank's block size, from the
     agreement's rows."""
     return tuple(map(tuple, every[:, 2:2 + sizes].T.tolist()))
-
-
-_MPI_MAX: Any = None  # MPI.MAX, once `_max` has imported it
-
-
-def _max() -> Any:
-    """**Returns:** MPI.MAX (mpi4py's MPI is imported at first use: importing it starts
-    MPI)."""
-    global _MPI_MAX
-    if _MPI_MAX is None:
-        from mpi4py import MPI
-
-        _MPI_MAX = MPI.MAX
-    return _MPI_MAX
 
 
 def stable_hash(obj: object) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 from .._compiler.layout import Layout
 from .._config import settings
 from .._errors import DistopError
+from .._mpi.runtime import mpi
 
 Blocks = dict[tuple[str, str], np.ndarray]  # (of, wrt) -> 2-D array
 # how far the blocks of a replicated input may differ between ranks, relative to their
@@ -149,7 +150,7 @@ def check_replicated_totals(comm: Any, layout: Layout, totals: Blocks, return_fo
         sums.append([flat.sum(), flat @ weights, np.abs(flat).sum()])
     mine = np.array(sums, dtype=float)
     extremes = np.empty((2,) + mine.shape)
-    comm.Allreduce(np.stack([mine, -mine]), extremes, op=_max())
+    comm.Allreduce(np.stack([mine, -mine]), extremes, op=mpi().MAX)
     high, low = extremes[0], -extremes[1]
     spread = np.abs(high - low)[:, :2].max(axis=1)
     for (key, _), differs, size in zip(blocks, spread, high[:, 2]):
@@ -165,8 +166,3 @@ def check_replicated_totals(comm: Any, layout: Layout, totals: Blocks, return_fo
                 "result the same everywhere (AllreduceSum, say); or declare it "
                 "distributed if each rank holds its own.")
 
-
-def _max() -> Any:
-    from mpi4py import MPI
-
-    return MPI.MAX

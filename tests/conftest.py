@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +33,7 @@ _cache_bytecode()
 
 
 def pytest_configure(config):
+    _share_compilations(config)
     config.addinivalue_line("markers", "mpi: launches mpiexec (2 and 4 ranks)")
     config.addinivalue_line("markers", "async_dispatch: also runs with JAX's async dispatch "
                                        "on (DISTOP_ASYNC_DISPATCH=1), in a launch of its own")
@@ -48,6 +50,20 @@ def pytest_ignore_collect(collection_path, config):
 
 # set on every rank by the launchers (MPICH's, Open MPI's, Slurm's through PMI)
 _LAUNCHED = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def _share_compilations(config):
+    """Give the MPI launches of this run one folder in which to share JAX's compilations
+    (`helpers.share_compilations`), removed when the run ends: made by the pytest that
+    was started, before its workers start, unless the environment names one already.
+    A rank of a launch, or a worker, finds it in its environment."""
+    from helpers import COMPILATIONS
+
+    if COMPILATIONS in os.environ or any(name in os.environ for name in _LAUNCHED):
+        return
+    folder = tempfile.mkdtemp(prefix="distop-tests-jax-")
+    os.environ[COMPILATIONS] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_xdist_auto_num_workers(config):

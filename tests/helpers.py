@@ -1,5 +1,6 @@
 """Shared test operators and the MPI launcher used by the tests."""
 
+import hashlib
 import importlib.util
 import os
 import pathlib
@@ -275,6 +276,45 @@ def load_factor():
     except OSError:
         return 1.0
     return min(4.0, max(1.0, load))
+
+
+# a folder shared by the processes of one run (see `share_compilations`); tests/conftest.py
+# makes one for each run of the suite unless it is set already, and empty turns it off
+COMPILATIONS = "DISTOP_TEST_COMPILATIONS"
+
+
+def share_compilations():
+    """Let the processes of one run compile each JAX program once, where the run has a
+    folder for it (`COMPILATIONS`): the ranks of a launch trace the same programs, and
+    compiling them is most of a launch's time.
+
+    JAX's persistent compilation cache lives in that folder. A process about to compile
+    takes a lock named after the program's text, so the first compiles and writes while
+    the others wait, then load what it wrote. A program the cache does not keep (JAX
+    decides) is compiled by each process in turn. Where this JAX has no hook for it
+    (its compiler's `compile_or_get_cached`), every process compiles for itself."""
+    folder = os.environ.get(COMPILATIONS)
+    try:
+        import fcntl
+
+        from jax._src import compiler
+        compile_or_load = compiler.compile_or_get_cached
+    except (ImportError, AttributeError):
+        return
+    if not folder:
+        return
+
+    def once(backend, computation, *args, **kwargs):
+        text = computation.operation.get_asm(enable_debug_info=False)
+        name = hashlib.sha256(text.encode()).hexdigest()
+        with open(os.path.join(folder, f"{name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (closing the file lets it go)
+            return compile_or_load(backend, computation, *args, **kwargs)
+
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compiler.compile_or_get_cached = once
 
 
 def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):

@@ -20,6 +20,7 @@ import io
 import sys
 import traceback
 
+from helpers import share_compilations
 from mpi4py import MPI
 
 
@@ -47,6 +48,7 @@ def run(name, args, comm):
 
 def main(argv):
     comm = MPI.COMM_WORLD
+    share_compilations()
     runs, current = [], None
     for word in argv:
         if word == "--" or current is None:

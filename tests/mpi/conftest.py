@@ -15,12 +15,13 @@ import sys
 import threading
 
 import pytest
-from helpers import CASE_LIMIT, SCALED, hung, load_factor
+from helpers import CASE_LIMIT, SCALED, hung, load_factor, share_compilations
 from mpi4py import MPI
 
 world = MPI.COMM_WORLD
 rank, size = world.rank, world.size
 comm = world.Dup()  # (the harness's own messages can never match a test's)
+share_compilations()  # (with the other ranks, and the run's other launches)
 
 _EXIT = pytest.StashKey[int]()
 # the harness's own watchdog, tested by tests/test_mpi.py

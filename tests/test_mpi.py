@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from helpers import COMPILATIONS, CORE, SUITE_TIMEOUT, TESTS, cores, run_mpi, run_tests
+from helpers import CORE, SUITE_TIMEOUT, TESTS, cores, run_mpi, run_tests
 
 from distop._diagnostics.report import check_trace
 
@@ -191,26 +191,6 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
                       "if MPI.COMM_WORLD.rank == 1:\n    sys.exit(3)\nfinish()\n")
     code, out = run_mpi(2, script, timeout=60, expect_ok=False)
     assert code != 0 and "rank 1 of 2: ok" not in out, out
-
-
-def test_the_ranks_of_a_launch_compile_a_program_once(tmp_path):
-    script = tmp_path / "compile.py"
-    script.write_text(
-        "import jax, jax.numpy as jnp, numpy as np\nfrom mpi4py import MPI\n"
-        "from helpers import finish, share_compilations\n"
-        "hits = []\n"
-        "jax.monitoring.register_event_listener(lambda event, **_: hits.append(event))\n"
-        "share_compilations()\n"
-        "x = np.float32(2.0)\n"
-        "exact = bool(np.asarray(jax.jit(lambda x: jnp.sin(x) * 3)(x)) == np.sin(x) * 3)\n"
-        "found = MPI.COMM_WORLD.gather((hits.count('/jax/compilation_cache/cache_hits'),"
-        " exact), root=0)\n"
-        "if MPI.COMM_WORLD.rank == 0:\n    print('found', sorted(found))\n"
-        "finish()\n")
-    folder = tmp_path / "compilations"
-    folder.mkdir()
-    _, out = run_mpi(2, script, timeout=120, env={COMPILATIONS: str(folder)})
-    assert "found [(0, True), (1, True)]" in out, out  # (one compiled, the other loaded)
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)

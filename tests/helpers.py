@@ -292,8 +292,12 @@ def share_compilations():
     takes a lock named after the program's text, so the first compiles and writes while
     the others wait, then load what it wrote. A program the cache does not keep (JAX
     decides) is compiled by each process in turn. Where this JAX has no hook for it
-    (its compiler's `compile_or_get_cached`), every process compiles for itself."""
+    (its compiler's `compile_or_get_cached`), every process compiles for itself.
+    A second call changes nothing (a second lock on the same file would wait for the
+    first)."""
     folder = os.environ.get(COMPILATIONS)
+    if not folder:
+        return
     try:
         import fcntl
 
@@ -301,7 +305,7 @@ def share_compilations():
         compile_or_load = compiler.compile_or_get_cached
     except (ImportError, AttributeError):
         return
-    if not folder:
+    if getattr(compile_or_load, "shares", False):
         return
 
     def once(backend, computation, *args, **kwargs):
@@ -311,6 +315,7 @@ def share_compilations():
             fcntl.flock(lock, fcntl.LOCK_EX)  # (closing the file lets it go)
             return compile_or_load(backend, computation, *args, **kwargs)
 
+    once.shares = True
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -283,6 +283,10 @@ def load_factor():
 COMPILATIONS = "DISTOP_TEST_COMPILATIONS"
 
 
+# elements: a larger constant is left out of the text that names a program's lock
+LOCK_ELEMENTS = 64
+
+
 def share_compilations():
     """Let the processes of one run compile each JAX program once, where the run has a
     folder for it (`COMPILATIONS`): the ranks of a launch trace the same programs, and
@@ -290,11 +294,12 @@ def share_compilations():
 
     JAX's persistent compilation cache lives in that folder. A process about to compile
     takes a lock named after the program's text, so the first compiles and writes while
-    the others wait, then load what it wrote. A program the cache does not keep (JAX
-    decides) is compiled by each process in turn. Where this JAX has no hook for it
-    (its compiler's `compile_or_get_cached`), every process compiles for itself.
-    A second call changes nothing (a second lock on the same file would wait for the
-    first)."""
+    the others wait, then load what it wrote. Programs that differ only in the values
+    of a large constant take turns under one lock; JAX's own key tells them apart.
+    A program the cache does not keep (JAX decides) is compiled by each process in
+    turn. Where this JAX has no hook for it (its compiler's `compile_or_get_cached`),
+    every process compiles for itself. A second call changes nothing (a second lock on
+    the same file would wait for the first)."""
     folder = os.environ.get(COMPILATIONS)
     if not folder:
         return
@@ -309,7 +314,10 @@ def share_compilations():
         return
 
     def once(backend, computation, *args, **kwargs):
-        text = computation.operation.get_asm(enable_debug_info=False)
+        # (constants of more than `LOCK_ELEMENTS` elements print elided: a program
+        # closing over a large array is not printed and hashed with all its values again)
+        text = computation.operation.get_asm(enable_debug_info=False,
+                                             large_elements_limit=LOCK_ELEMENTS)
         name = hashlib.sha256(text.encode()).hexdigest()
         with open(os.path.join(folder, f"{name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # (closing the file lets it go)

@@ -35,6 +35,8 @@ _cache_bytecode()
 def pytest_configure(config):
     _share_compilations(config)
     config.addinivalue_line("markers", "mpi: launches mpiexec (2 and 4 ranks)")
+    config.addinivalue_line("markers", "long: makes one of the longest launches (minutes); "
+                                       "started first, each on a worker of its own")
     config.addinivalue_line("markers", "async_dispatch: also runs with JAX's async dispatch "
                                        "on (DISTOP_ASYNC_DISPATCH=1), in a launch of its own")
 
@@ -79,7 +81,28 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that launch MPI jobs first, those that launch tests/mpi (the longest)
-    before the others, so that no worker is left with a long one at the end."""
-    items.sort(key=lambda item: (item.get_closest_marker("mpi") is None,
-                                 not item.name.startswith("test_cases")))
+    """The longest launches first, one on each worker, then the other MPI tests, then the
+    single-process tests, and last the tests that only read the examples' launches.
+
+    xdist's load scheduler (with `--maxschedchunk 1`, see pyproject.toml) hands each
+    worker two tests at the start, then one more whenever it finishes one. So a short
+    test after each of the first long ones gives every worker one long launch at once,
+    and the others go to the workers that free up first. A test reading the examples'
+    launch waits for the launch to end (see tests/test_mpi.py's `example`): placed last,
+    it finds it done."""
+    def rank(item):
+        if item.get_closest_marker("long"):
+            return 0
+        if "example" in getattr(item, "fixturenames", ()):
+            return 3
+        return 1 if item.get_closest_marker("mpi") else 2
+
+    items.sort(key=rank)
+    long = sum(rank(item) == 0 for item in items)
+    # (xdist tells its workers how many there are; one process runs the tests in order)
+    first = min(long, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)))
+    if first and len(items) >= 2 * first:
+        # each of the first long ones, then a short one
+        shorts = items[long:long + first]
+        paired = [test for pair in zip(items[:first], shorts) for test in pair]
+        items[:] = paired + items[first:long] + items[long + first:]

@@ -16,6 +16,7 @@ from distop._diagnostics.report import check_trace
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.long
 @pytest.mark.timeout(SUITE_TIMEOUT)
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_cases(nprocs):
@@ -34,6 +35,7 @@ def test_a_hung_case_ends_its_launch_with_where_every_rank_stands(nprocs):
     assert "in test_a_case_that_hangs" in out, out  # (the stacks)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_cases_on_the_io_callback_backend():
     run_tests(2, *CORE, "test_matvec.py", env={"DISTOP_BACKEND": "io_callback"})
@@ -60,6 +62,9 @@ OPTIMIZE = [(1, ""), (2, "9,7"), (4, "5,0,7,4")]
 DATA_PARALLEL = [(1, ""), (2, "8,0"), (4, "4,3,3,0")]
 LOAD_IMBALANCE = [(2, 1, where) for where in ("method", "jax", "outside")] + [
     (4, 2, where) for where in ("method", "jax", "outside")]
+# (the first test of each rank count's examples makes their launch: started first)
+LAUNCHES = [pytest.param(*run, marks=pytest.mark.long) if run[2] == "method" else run
+            for run in LOAD_IMBALANCE]
 
 
 def _runs(nprocs, folder):
@@ -194,7 +199,7 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
-@pytest.mark.parametrize("nprocs, slow, where", LOAD_IMBALANCE)
+@pytest.mark.parametrize("nprocs, slow, where", LAUNCHES)
 def test_load_imbalance_example_names_the_slow_rank(nprocs, slow, where, example):
     index = [w for n, _, w in LOAD_IMBALANCE if n == nprocs].index(where)
     codes, out = example("load_imbalance", nprocs, index)

@@ -170,6 +170,7 @@ def test_a_failing_rank_tells_the_relay_only_which_passes_on_the_news(monkeypatc
 
 
 @pytest.mark.mpi
+@pytest.mark.long
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_checking_mode_passes_correct_programs():
     run_tests(2, *CORE, "test_distributed.py", env={"DISTOP_CHECK_COLLECTIVES": "1"})

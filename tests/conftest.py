@@ -5,6 +5,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 TESTS = Path(__file__).resolve().parent
@@ -30,6 +31,14 @@ def _cache_bytecode():
 
 
 _cache_bytecode()
+
+
+@pytest.fixture(scope="session")
+def run_folder(tmp_path_factory):
+    """A folder that every worker process of this test run shares."""
+    base = tmp_path_factory.getbasetemp()
+    # (each worker has a folder of its own under the run's)
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
 
 
 def pytest_configure(config):

@@ -377,6 +377,31 @@ def run_mpi(nprocs, script, *args, timeout=120, expect_ok=True, env=None):
     return proc.returncode, output
 
 
+def once_per_run(folder, name, make):
+    """**Returns:** the text `make()` returned the one time it ran in this test run.
+
+    The first process to ask (any xdist worker of the run) calls `make` holding a file
+    lock in `folder`, a folder every worker of the run shares, and writes what it got
+    there; the others wait for the lock, then read it. Where `make` raised an
+    AssertionError (a failed launch), every caller raises one with its text."""
+    import fcntl
+    import json
+
+    record = pathlib.Path(folder) / f"{name}.json"
+    with open(pathlib.Path(folder) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (closing the file lets it go)
+        if not record.exists():
+            try:
+                found = {"out": make(), "failed": False}
+            except AssertionError as failed:  # (every caller fails, as it did)
+                found = {"out": str(failed), "failed": True}
+            record.write_text(json.dumps(found))
+    made = json.loads(record.read_text())
+    if made["failed"]:
+        raise AssertionError(made["out"])
+    return made["out"]
+
+
 MPI_TESTS = TESTS / "mpi"
 # the files of tests/mpi that were one group before: what the io_callback backend and the
 # checking mode are run on

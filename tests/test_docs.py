@@ -17,7 +17,7 @@ from doc_blocks import (
     outputs,
     pages,
 )
-from helpers import EXAMPLES, TESTS, load_factor, run_mpi
+from helpers import EXAMPLES, TESTS, load_factor, once_per_run, run_mpi
 
 LAUNCHES = [(page, ranks) for page in pages() for ranks in launches(page)]
 
@@ -37,25 +37,22 @@ def _run_one_process(*args):
     return output
 
 
-_LAUNCHES = {}
-
-
-def _printed(ranks):
+def _printed(folder, ranks):
     """**Returns:** what the one launch of every page's blocks for `ranks` ranks printed
-    (made once; each page's output in a frame of its own)."""
-    if ranks not in _LAUNCHES:
-        where = [str(page.relative_to(ROOT)) for page, n in LAUNCHES if n == ranks]
+    (made once per test run, see `once_per_run`; each page's output in a frame of its
+    own)."""
+    where = [str(page.relative_to(ROOT)) for page, n in LAUNCHES if n == ranks]
+
+    def launch():
+        if ranks > 1:
+            return run_mpi(ranks, TESTS / "doc_blocks.py", *where, ranks,
+                           timeout=300 + 120 * len(where))[1]
         try:
-            if ranks > 1:
-                _LAUNCHES[ranks] = run_mpi(ranks, TESTS / "doc_blocks.py", *where, ranks,
-                                           timeout=300 + 120 * len(where))[1]
-            else:
-                _LAUNCHES[ranks] = _run_one_process(*where, "1")
-        except (AssertionError, subprocess.TimeoutExpired) as failed:  # (every page fails)
-            _LAUNCHES[ranks] = failed
-    if isinstance(_LAUNCHES[ranks], Exception):
-        raise _LAUNCHES[ranks]
-    return _LAUNCHES[ranks]
+            return _run_one_process(*where, "1")
+        except subprocess.TimeoutExpired as late:  # (every page fails)
+            raise AssertionError(str(late)) from None
+
+    return once_per_run(folder, f"doc-blocks-{ranks}", launch)
 
 
 @pytest.mark.timeout(3000)
@@ -63,9 +60,9 @@ def _printed(ranks):
     pytest.param(page, ranks, id=_id(page, ranks),
                  marks=[pytest.mark.mpi] if ranks > 1 else [])
     for page, ranks in LAUNCHES])
-def test_the_blocks_of_a_page_run(page, ranks):
+def test_the_blocks_of_a_page_run(page, ranks, run_folder):
     where = str(page.relative_to(ROOT))
-    printed = frame(_printed(ranks), where)
+    printed = frame(_printed(run_folder, ranks), where)
     seen = set(masked(printed))
     for launch, expected in outputs(page):
         if launch == ranks:

@@ -1,15 +1,13 @@
 """Multi-rank tests: the tests of tests/mpi in one launch per number of ranks (2 and 4),
 and in the launches that need a setting read at start-up; the examples; the launcher."""
 
-import fcntl
 import importlib.util
 import json
-import os
 import re
 import time
 
 import pytest
-from helpers import CORE, SUITE_TIMEOUT, TESTS, cores, run_mpi, run_tests
+from helpers import CORE, SUITE_TIMEOUT, TESTS, cores, once_per_run, run_mpi, run_tests
 
 from distop._diagnostics.report import check_trace
 
@@ -88,33 +86,20 @@ def _runs(nprocs, folder):
 
 
 @pytest.fixture(scope="session")
-def example(tmp_path_factory):
+def example(run_folder):
     """`example(name, nprocs, index=0)`: **Returns:** `(exit codes, output)` of the
     example's run on `nprocs` ranks (its `index`-th run there). Every run of that rank
-    count is in one launch, made once per test session: the first test that needs it
-    launches it, holding a file lock, and writes its output where every xdist worker of
-    the session reads it."""
-    base = tmp_path_factory.getbasetemp()
-    # (each worker has a folder of its own under the session's)
-    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "examples"
+    count is in one launch, made once per test run (`once_per_run`) by the first test
+    that needs it; the others read its output."""
+    folder = run_folder / "examples"
     folder.mkdir(exist_ok=True)
 
     def frame(name, nprocs, index=0):
-        record = folder / f"launch-{nprocs}.json"
-        with open(folder / f"launch-{nprocs}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not record.exists():
-                argv = [w for each, args in _runs(nprocs, folder) for w in ("--", each, *args)]
-                try:
-                    found = {"out": run_mpi(nprocs, TESTS / "mpi_examples.py", *argv[1:],
-                                            timeout=900)[1], "failed": False}
-                except AssertionError as failed:  # (every test of the launch fails, as it did)
-                    found = {"out": str(failed), "failed": True}
-                record.write_text(json.dumps(found))
-        launch = json.loads(record.read_text())
-        if launch["failed"]:
-            raise AssertionError(launch["out"])
-        out = launch["out"]
+        def launch():
+            argv = [w for each, args in _runs(nprocs, folder) for w in ("--", each, *args)]
+            return run_mpi(nprocs, TESTS / "mpi_examples.py", *argv[1:], timeout=900)[1]
+
+        out = once_per_run(folder, f"launch-{nprocs}", launch)
         frames = list(re.finditer(rf"^=== example {name}: begin\n(.*?)^=== example {name}: "
                                   r"exit codes \[([\d, ]*)\]$", out, re.MULTILINE | re.DOTALL))
         assert len(frames) > index, out

@@ -71,7 +71,7 @@ def extra_rows(rank, slow_rank, factor, base, where):
 def jax_work(x, rows):
     """jax.numpy work in the model, made from x: products of a small matrix in a loop,
     four times the flops of a Gram product of `rows` rows (small matrix products run
-    several times faster than a product streaming that many rows from memory).
+    faster than a product streaming that many rows from memory).
 
     Rows the model closed over would be a constant of its program, compiled and cached
     with all their values."""

@@ -2,6 +2,7 @@
 
 import hashlib
 import importlib.util
+import inspect
 import os
 import pathlib
 import shutil
@@ -296,8 +297,10 @@ def share_compilations():
     takes a lock named after the program's text, so the first compiles and writes while
     the others wait, then load what it wrote. Programs that differ only in the values
     of a large constant take turns under one lock; JAX's own key tells them apart.
-    A program the cache does not keep (JAX decides) is compiled by each process in
-    turn. Where this JAX has no hook for it (its compiler's `compile_or_get_cached`),
+    A program with host callbacks (the `io_callback` backend's) holds pointers into its
+    process, so JAX never keeps it: each process compiles it at once, without the lock.
+    Another program the cache does not keep (JAX decides) is compiled by each process
+    in turn. Where this JAX has no hook for it (its compiler's `compile_or_get_cached`),
     every process compiles for itself. A second call changes nothing (a second lock on
     the same file would wait for the first)."""
     folder = os.environ.get(COMPILATIONS)
@@ -313,7 +316,12 @@ def share_compilations():
     if getattr(compile_or_load, "shares", False):
         return
 
+    signature = inspect.signature(compile_or_load)
+
     def once(backend, computation, *args, **kwargs):
+        given = signature.bind(backend, computation, *args, **kwargs).arguments
+        if given.get("host_callbacks"):
+            return compile_or_load(backend, computation, *args, **kwargs)
         # (constants of more than `LOCK_ELEMENTS` elements print elided: a program
         # closing over a large array is not printed and hashed with all its values again)
         text = computation.operation.get_asm(enable_debug_info=False,

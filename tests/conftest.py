@@ -79,14 +79,17 @@ def _share_compilations(config):
 
 def pytest_xdist_auto_num_workers(config):
     """How many worker processes `-n auto` (the default) starts: none on a rank of an MPI
-    launch (every rank is one pytest, see tests/mpi/conftest.py); else two per core, up
-    to eight. An MPI test leaves the cores idle for much of its time (its ranks start,
-    or wait out a watchdog's limit), and another worker's tests fill them meanwhile."""
+    launch (every rank is one pytest, see tests/mpi/conftest.py); else one per core and
+    one more, up to eight. A launch runs more ranks than the worker that made it, so
+    one worker per core keeps the cores busy; the one more fills the time an MPI test
+    leaves them idle (its ranks start, or wait out a watchdog's limit). More workers
+    only make more ranks share the cores: a rank waiting in MPI still polls, and a
+    rank its peers wait for runs less often, so the same tests take more CPU time."""
     if any(name in os.environ for name in _LAUNCHED):
         return 0
     from helpers import cores  # (on the path set above)
 
-    return max(1, min(8, 2 * cores()))
+    return max(1, min(8, cores() + 1))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -93,15 +93,19 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest launches first, one on each worker, then the other MPI tests, then the
-    single-process tests, and last the tests that only read the examples' launches.
+    """The longest launches first, one on each worker, then the other MPI tests woven
+    into the single-process tests, and last the tests that only read the examples'
+    launches.
 
     xdist's load scheduler (with `--maxschedchunk 1`, see pyproject.toml) hands each
     worker two tests at the start, then one more whenever it finishes one. So a short
     test after each of the first long ones gives every worker one long launch at once,
-    and the others go to the workers that free up first. A test reading the examples'
-    launch waits for the launch to end (see tests/test_mpi.py's `example`): placed last,
-    it finds it done."""
+    and the others go to the workers that free up first. Many of the other MPI tests
+    leave the cores idle while they wait (for ranks to start, a job to abort, a
+    watchdog's limit to pass): spread over the first half of the single-process tests,
+    they run beside tests that keep the cores busy, and none is left to run alone at
+    the end. A test reading the examples' launch waits for the launch to end (see
+    tests/test_mpi.py's `example`): placed last, it finds it done."""
     def rank(item):
         if item.get_closest_marker("long"):
             return 0
@@ -110,6 +114,13 @@ def pytest_collection_modifyitems(config, items):
         return 1 if item.get_closest_marker("mpi") else 2
 
     items.sort(key=rank)
+    mpi, single = ([item for item in items if rank(item) == kind] for kind in (1, 2))
+    spread = 0.5 * len(single) / max(1, len(mpi))
+    woven = sorted([(i * spread, 0, i) for i in range(len(mpi))]
+                   + [(j, 1, j) for j in range(len(single))])
+    items[:] = ([item for item in items if rank(item) == 0]
+                + [(mpi, single)[kind][i] for _, kind, i in woven]
+                + [item for item in items if rank(item) == 3])
     long = sum(rank(item) == 0 for item in items)
     # (xdist tells its workers how many there are; one process runs the tests in order)
     first = min(long, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)))

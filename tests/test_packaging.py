@@ -1,7 +1,10 @@
-"""The README's commands are what CI runs, its example runs, the package says its
-version, and `import distop` binds everything the API pages list."""
+"""The README's commands are what CI runs, in the order the suite sets, its example
+runs, the package says its version, and `import distop` binds everything the API pages
+list."""
 
 import importlib.metadata
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +30,42 @@ def test_ci_runs_the_readme_test_command():
                                                     ".venv-py312/bin/python -m pytest"))
                for line in command[1:]), command
 
+
+
+# (run in a process of its own: the suite's order, with each test's markers, as one
+# worker runs it; the last line printed)
+ORDER = """
+import json, sys, pytest
+class Order:
+    def pytest_collection_finish(self, session):
+        self.found = [(test.nodeid, bool(test.get_closest_marker("long")),
+                       bool(test.get_closest_marker("mpi"))) for test in session.items]
+order = Order()
+code = pytest.main(["--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"],
+                   plugins=[order])
+print(json.dumps(order.found))
+sys.exit(code)
+"""
+
+
+def test_the_suite_starts_the_long_launches_and_spreads_the_other_mpi_tests():
+    # (a worker's own settings left out: the order of a run on one process)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    done = subprocess.run([sys.executable, "-c", ORDER], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    long = sum(is_long for _, is_long, _ in found)
+    assert long and all(is_long for _, is_long, _ in found[:long]), found[:long + 1]
+    single = [i for i, (_, _, mpi) in enumerate(found) if not mpi]
+    # after the last single-process test: the tests that read the examples' launches
+    readers = [name for name, _, _ in found[single[-1] + 1:]]
+    assert readers and all(t.startswith("tests/test_mpi.py::") for t in readers), readers
+    spread = [i for i, (_, is_long, mpi) in enumerate(found[:single[-1]]) if mpi and not is_long]
+    # among the first half of the single-process tests, from its start to its end
+    where = [sum(j < i for j in single) for i in spread]
+    assert where[0] <= 1 and len(single) // 2 - len(single) // len(spread) <= where[-1] \
+        <= len(single) // 2, where
 
 def test_import_distop_binds_linalg():
     # a fresh process: here another test may have imported `distop.linalg` already

@@ -19,6 +19,7 @@ comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
 SLOW = size - 1 if size == 2 else 2  # (not the last rank on 4)
 PAUSE = 0.06  # seconds a slowed call takes more
+ROUNDS = 48  # `busy_jax`'s products on the slowed rank: about as long as PAUSE
 CALLS = 6  # profiled rounds of run and compute_totals
 
 
@@ -68,7 +69,7 @@ def seconds_of_busy_jax(rounds):
 def test_the_profile_names_the_slow_rank_and_where_its_time_went(where):
     slow = rank == SLOW
     op = Summed(PAUSE if slow and where == "method" else 0.0)
-    rounds = 12 if slow and where == "jax" else 0
+    rounds = ROUNDS if slow and where == "jax" else 0
     # (each slowed call adds at least this much)
     added = seconds_of_busy_jax(rounds) if where == "jax" else PAUSE
 

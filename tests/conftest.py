@@ -113,7 +113,6 @@ def pytest_collection_modifyitems(config, items):
             return 3
         return 1 if item.get_closest_marker("mpi") else 2
 
-    items.sort(key=rank)
     mpi, single = ([item for item in items if rank(item) == kind] for kind in (1, 2))
     spread = 0.5 * len(single) / max(1, len(mpi))
     woven = sorted([(i * spread, 0, i) for i in range(len(mpi))]

@@ -31,7 +31,6 @@ def test_ci_runs_the_readme_test_command():
                for line in command[1:]), command
 
 
-
 # (run in a process of its own: the suite's order, with each test's markers, as one
 # worker runs it; the last line printed)
 ORDER = """
@@ -66,6 +65,7 @@ def test_the_suite_starts_the_long_launches_and_spreads_the_other_mpi_tests():
     where = [sum(j < i for j in single) for i in spread]
     assert where[0] <= 1 and len(single) // 2 - len(single) // len(spread) <= where[-1] \
         <= len(single) // 2, where
+
 
 def test_import_distop_binds_linalg():
     # a fresh process: here another test may have imported `distop.linalg` already

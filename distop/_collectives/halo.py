@@ -6,6 +6,11 @@ wherever they live: on the neighbouring ranks, or, where those own fewer rows (o
 none), on as many ranks further out as the rows span. So every block size works, zero
 included, and the result is always this rank's window of the global array.
 
+A call moves only the block's edge rows through the host: the operator call itself is
+made on the `width` first and last rows of the block (`block_rows` set), and XLA places
+the halo it returns around the block, so the work of a call is that of its messages,
+whatever the block's size, and a reverse sweep keeps only the edge rows of each step.
+
 Each rank plans its own part of the exchange once per set of block sizes (`_Plan`):
 which ranks own its halo rows, and which ranks take rows of its block. Each call then
 sends and receives one message per such peer and no other: two neighbours where every
@@ -15,13 +20,15 @@ site are fixed when the program is built, and the plan is kept with the site; el
 first.
 """
 
+import dataclasses
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .._operators.operator import DistributedOperator
-from .blocks import batch_first, rows_first, with_batch, without_batch
+from .._operators.operator import DistributedOperator, apply, as_arrays
 
 _BOUNDARIES = ("zero", "periodic")
 _TAG = 7  # the tag of the halo's messages (one call at a time runs on a communicator)
@@ -39,8 +46,11 @@ class _Plan:
     `takes` lists, per rank p owning rows of this rank's halo (ascending), the places in
     the halo (2 * width rows: before, then after) of those rows, in p's order; `gives`
     lists, per rank q whose halo takes rows of this block (ascending), the local indices
-    of those rows in the order q takes them. A rank's own rows in its halo (a periodic
-    wrap onto itself) are among both, and copied without a message.
+    of those rows in the order q takes them; `edge_gives` the same rows as indices into
+    the block's edge rows (see `edge_rows`). A rank's own rows in its halo (a periodic
+    wrap onto itself) are among both, and copied without a message. Each entry is
+    (rank, indices, whether the indices are distinct), the last for the adjoint, which
+    adds rows at those indices.
     """
 
     def __init__(self, counts: list[int] | tuple[int, ...], width: int, periodic: bool,
@@ -59,10 +69,33 @@ class _Plan:
         owners = np.searchsorted(ends, rows, side="right")
         owners[rows < 0] = -1
         mine = owners[rank]
-        self.takes = [(int(p), np.flatnonzero(mine == p))
-                      for p in np.unique(mine[mine >= 0])]
+        self.takes = [_entry(p, np.flatnonzero(mine == p)) for p in np.unique(mine[mine >= 0])]
         wanting = np.flatnonzero((owners == rank).any(axis=1))
-        self.gives = [(int(q), rows[q][owners[q] == rank] - starts[rank]) for q in wanting]
+        self.gives = [_entry(q, rows[q][owners[q] == rank] - starts[rank]) for q in wanting]
+        n = int(counts_[rank]) if len(counts_) else 0
+        self.edge_gives = [(q, _edge_index(where, n, width), unique)
+                           for q, where, unique in self.gives]
+
+
+def _entry(peer: Any, where: np.ndarray) -> tuple[int, np.ndarray, bool]:
+    """**Returns:** a plan's entry: the peer, its indices, whether they are distinct."""
+    return int(peer), where, len(np.unique(where)) == len(where)
+
+
+def edge_rows(n: int, width: int) -> int:
+    """**Returns:** how many edge rows a block of `n` rows sends for halos of `width`:
+    the first and last `width` rows, or the whole block where those overlap."""
+    return n if n <= 2 * width else 2 * width
+
+
+def _edge_index(where: np.ndarray, n: int, width: int) -> np.ndarray:
+    """**Returns:** the local row indices `where` of a block of `n` rows as indices into
+    its edge rows (see `edge_rows`). Other ranks' halos take only edge rows: a halo
+    row lies within `width` rows of the block it surrounds, and blocks do not overlap."""
+    if n <= 2 * width:
+        return where
+    assert not ((where >= width) & (where < n - width)).any()  # (see the docstring)
+    return np.where(where < width, where, where - (n - 2 * width))
 
 
 class HaloExchange(DistributedOperator):
@@ -85,6 +118,11 @@ class HaloExchange(DistributedOperator):
     - `boundary`: `"zero"` (default) or `"periodic"`.
     - `comm`: the communicator (keyword; default `MPI.COMM_WORLD`).
     - `ordered`: forces the calls ordered or not (keyword; default: ordered under MPI).
+    - `block_rows`: set by the call itself, not by users (keyword): the operator then
+      takes the block's edge rows (the first and last `width`, or the whole block where
+      those overlap) of a block of `block_rows` rows, and returns the halo alone (2
+      `width` rows: before, then after). Calling the operator makes one such call and
+      places its halo around the block in XLA.
 
     **Returns:** an operator; calling it on this rank's block returns its window.
 
@@ -111,6 +149,7 @@ class HaloExchange(DistributedOperator):
 
     width: int = 1
     boundary: str = "zero"
+    block_rows: int | None = eqx.field(default=None, kw_only=True)
     forward_collectives = ("allgather", "Isend", "Irecv")
     vjp_collectives = ("allgather", "Isend", "Irecv")
     jvp_collectives = ("allgather", "Isend", "Irecv")
@@ -133,81 +172,129 @@ class HaloExchange(DistributedOperator):
         if not len(x.shape):
             raise ValueError("HaloExchange: expected a block of rows (an array of at "
                              "least one dimension); got a 0-d value.")
-        rows = x.shape[0] + 2 * int(self.width)
+        w = int(self.width)
+        rows = 2 * w if self.block_rows is not None else x.shape[0] + 2 * w
         return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype)
 
-    def _plan(self, comm: Any, rows: int) -> _Plan:
-        """**Returns:** this rank's plan for blocks of `rows` rows here: kept with the
-        call site where it has one (see `GuardedComm.site`), else made from every
-        rank's block size, gathered now."""
-        site = getattr(comm, "site", None)
-        key = ("halo", rows)
-        if site is not None and key in site:
-            return site[key]
-        plan = _Plan(comm.allgather(rows), int(self.width), self.boundary == "periodic",
-                     comm.Get_rank())
-        if site is not None:
-            site[key] = plan
-        return plan
+    def __call__(self, *inputs: Any) -> Any:
+        """This rank's window: the halo of the block's edge rows (one operator call on
+        them), placed around the block by XLA."""
+        w = int(self.width)
+        if self.block_rows is not None or len(inputs) != 1 or not w:
+            return apply(self, inputs)
+        (x,) = as_arrays(type(self).__name__, inputs)
+        if not x.ndim:
+            return apply(self, [x])  # (output_spec's error)
+        n = x.shape[0]
+        edges = x if n <= 2 * w else jnp.concatenate([x[:w], x[n - w:]])
+        halo = apply(dataclasses.replace(self, block_rows=n), [edges])
+        return jnp.concatenate([halo[:w], x, halo[w:]])
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
-        block = rows_first(with_batch(x, batched))  # (n, B, ...)
-        plan = self._plan(comm, block.shape[0])
-        halo = _exchange(comm, block, plan.gives, plan.takes, 2 * int(self.width))
+        rows = _rows_first(x, batched)  # (n or edge rows, B, ...)
         w = int(self.width)
-        out = np.concatenate([halo[:w], block, halo[w:]])
-        return without_batch(batch_first(out), batched)
+        if self.block_rows is not None:
+            plan = _plan(self, comm, int(self.block_rows))
+            halo = _exchange(comm, rows, plan.edge_gives, plan.takes, 2 * w)
+            return _batch_first(halo, batched)
+        plan = _plan(self, comm, rows.shape[0])
+        halo = _exchange(comm, rows, plan.gives, plan.takes, 2 * w)
+        return _batch_first(np.concatenate([halo[:w], rows, halo[w:]]), batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
-        window = rows_first(with_batch(y_bar, batched))  # (n + 2w, B, ...)
+        window = _rows_first(y_bar, batched)  # (n + 2w or 2w, B, ...)
         w = int(self.width)
-        n = window.shape[0] - 2 * w
-        plan = self._plan(comm, n)
-        halo_bar = np.concatenate([window[:w], window[w + n:]])
         # the transpose of the forward's exchange: halo places back to owners' rows
+        if self.block_rows is not None:
+            plan = _plan(self, comm, int(self.block_rows))
+            x_bar = np.zeros((edge_rows(int(self.block_rows), w),) + window.shape[1:],
+                             window.dtype)
+            _exchange(comm, window, plan.takes, plan.edge_gives, 0, into=x_bar)
+            return _batch_first(x_bar, batched)
+        n = window.shape[0] - 2 * w
+        plan = _plan(self, comm, n)
+        halo_bar = np.concatenate([window[:w], window[w + n:]])
         x_bar = np.array(window[w:w + n])
         _exchange(comm, halo_bar, plan.takes, plan.gives, n, into=x_bar)
-        return without_batch(batch_first(x_bar), batched)
+        return _batch_first(x_bar, batched)
 
     def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
-        return self.forward(comm, x_dot, batched=batched)
+        return type(self).forward(self, comm, x_dot, batched=batched)
 
 
-def _exchange(comm: Any, rows: np.ndarray, sends: list[tuple[int, np.ndarray]],
-              places: list[tuple[int, np.ndarray]], length: int,
+def _plan(op: HaloExchange, comm: Any, rows: int) -> _Plan:
+    """**Returns:** this rank's plan for blocks of `rows` rows here: kept with the call
+    site where it has one (see `GuardedComm.site`), else made from every rank's block
+    size, gathered now."""
+    site = getattr(comm, "site", None)
+    key = ("halo", rows)
+    if site is not None and key in site:
+        return site[key]
+    plan = _Plan(comm.allgather(rows), int(op.width), op.boundary == "periodic",
+                 comm.Get_rank())
+    if site is not None:
+        site[key] = plan
+    return plan
+
+
+def _rows_first(x: np.ndarray, batched: bool) -> np.ndarray:
+    """**Returns:** a method's (n, ...) argument, or its (B, n, ...) one where `batched`,
+    as a C-contiguous (n, B, ...) array (a view where the batch has one row or none)."""
+    if not batched:
+        return x[:, None]
+    if x.shape[0] == 1:
+        return x.reshape((x.shape[1], 1) + x.shape[2:])
+    return np.ascontiguousarray(np.moveaxis(x, 1, 0))
+
+
+def _batch_first(rows: np.ndarray, batched: bool) -> np.ndarray:
+    """**Returns:** an (n, B, ...) array as the method returns it: (n, ...), or a
+    C-contiguous (B, n, ...) one where `batched`."""
+    if not batched:
+        return rows[:, 0]
+    if rows.shape[1] == 1:
+        return rows.reshape((1, rows.shape[0]) + rows.shape[2:])
+    return np.ascontiguousarray(np.moveaxis(rows, 0, 1))
+
+
+def _exchange(comm: Any, rows: np.ndarray, sends: list[tuple[int, np.ndarray, bool]],
+              places: list[tuple[int, np.ndarray, bool]], length: int,
               into: np.ndarray | None = None) -> np.ndarray:
     """Send each rank q of `sends` the `rows` its index array picks; put the rows
     received from each rank p of `places` at its places in an array of `length` rows:
     zeros elsewhere, or, given `into`, added to it (a place may receive several rows).
-    One message per peer; rows for this rank itself are copied.
+    One message per peer; rows for this rank itself are copied. (Entries of a `_Plan`.)
 
     **Returns:** that array.
     """
     rank = comm.Get_rank()
     tail = rows.shape[1:]
     out = np.zeros((length,) + tail, rows.dtype) if into is None else into
-    received = [(p, where, np.empty((len(where),) + tail, rows.dtype))
-                for p, where in places if p != rank]
-    requests = [comm.Irecv(buffer, source=p, tag=_TAG) for p, _, buffer in received]
-    outgoing = [(q, np.ascontiguousarray(rows[picks])) for q, picks in sends]
+    received = [(p, where, distinct, np.empty((len(where),) + tail, rows.dtype))
+                for p, where, distinct in places if p != rank]
+    requests = [comm.Irecv(buffer, source=p, tag=_TAG) for p, _, _, buffer in received]
+    outgoing = [(q, rows[picks]) for q, picks, _ in sends]  # (fancy indexing: a copy)
     requests += [comm.Isend(data, dest=q, tag=_TAG) for q, data in outgoing if q != rank]
     own = dict(outgoing).get(rank)
-    for p, where in places:
+    for p, where, distinct in places:
         if p == rank and own is not None:
-            _put(out, where, own, into is not None)
+            _put(out, where, distinct, own, into is not None)
     if requests:
         requests[0].Waitall(requests)
-    for _, where, buffer in received:
-        _put(out, where, buffer, into is not None)
+    for _, where, distinct, buffer in received:
+        _put(out, where, distinct, buffer, into is not None)
     return out
 
 
-def _put(out: np.ndarray, where: np.ndarray, rows: np.ndarray, add: bool) -> None:
-    """Write (or, where `add`, add: a place may receive several rows) `rows` at the
-    places `where` of `out`."""
-    if add:
-        np.add.at(out, where, rows)
-    else:
+def _put(out: np.ndarray, where: np.ndarray, distinct: bool, rows: np.ndarray,
+         add: bool) -> None:
+    """Write (or, where `add`, add) `rows` at the places `where` of `out`; places that
+    are not `distinct` receive the sum of their rows."""
+    if not add:
         out[where] = rows
+    elif distinct:
+        out[where] += rows
+    else:
+        np.add.at(out, where, rows)

@@ -62,3 +62,35 @@ def test_halo_of_one_rank_wraps_or_pads():
     np.testing.assert_array_equal(grad(x), [4.0, 3.0, 4.0])
     empty = distop.HaloExchange(width=1, boundary="periodic")(np.zeros((0, 2)))
     np.testing.assert_array_equal(empty, np.zeros((2, 2)))
+
+
+def test_a_halo_exchange_sends_only_the_edge_rows_through_the_host():
+    halo = distop.HaloExchange(width=2)
+
+    def step(u):
+        h = halo(u)
+        return u + 0.1 * (h[:-4] + h[4:] - 2 * u)
+
+    def model(u):
+        return {"f": jnp.sum(jax.lax.scan(lambda u, _: (step(u), None), u, None,
+                                          length=5)[0] ** 2)}
+
+    def plain(u):
+        for _ in range(5):
+            h = jnp.pad(u, ((2, 2), (0, 0)))
+            u = u + 0.1 * (h[:-4] + h[4:] - 2 * u)
+        return jnp.sum(u ** 2)
+
+    u0 = np.random.default_rng(3).standard_normal((7, 3))
+    problem = distop.Problem(model, {"u": u0})
+    np.testing.assert_allclose(problem.run()["f"], plain(u0), rtol=1e-14)
+    np.testing.assert_allclose(problem.compute_totals("f", "u")["f", "u"].reshape(7, 3),
+                               jax.grad(plain)(u0), rtol=1e-13)
+    # each host call moves the 2 + 2 edge rows and the 4 halo rows, not the block
+    shapes = {(e.phase, e.input_shapes[-1], e.output_shapes[0]) for e in problem.schedule
+              if e.operator == "HaloExchange"}
+    assert shapes == {("forward", (4, 3), (4, 3)), ("vjp", (4, 3), (4, 3))}, shapes
+    # a block of fewer than 2 width rows is all edges
+    short = np.arange(3.0)
+    np.testing.assert_array_equal(halo(short), [0, 0, 0, 1, 2, 0, 0])
+    assert jax.grad(lambda x: jnp.sum(halo(x) ** 2))(short).tolist() == [0, 2, 4]

@@ -16,7 +16,7 @@ import ctypes as C
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,8 +49,8 @@ _lock = threading.Lock()
 _registered = False
 
 _DATA = Buffer.data.offset
-# call_id -> the _Slots of its arguments, of its results
-_plans: dict[int, tuple[list["_Slot"], list["_Slot"]]] = {}
+# call_id -> the _Plans of its arguments and results
+_plans: dict[int, "_Plans"] = {}
 # The process's memory from `_BASE` on (below it nothing is ever mapped) as two
 # memoryviews, read-only and writeable: nothing is read or allocated. `_Slot.view`
 # makes its numpy view on a slice of one, the buffer's exact bytes (read-only for
@@ -121,16 +121,23 @@ class _Slot:
         return np.ndarray(self.shape, self.dtype, self.space[start:start + self.nbytes])
 
 
-def _plan(values: "C._Pointer[C.c_void_p]", size: int, writeable: bool) -> list[_Slot]:
-    return [_Slot(values[i], writeable) for i in range(size)]
+class _Plans:
+    """The slots of a call site's arguments and results, the token's left out (see
+    `_handler`), each with its position, and the ctypes type of the token's value."""
+
+    __slots__ = ("args", "rets", "token")
+
+    def __init__(self, args: "C._Pointer[C.c_void_p]", n_args: int,
+                 rets: "C._Pointer[C.c_void_p]", n_rets: int) -> None:
+        self.args = [(i, _Slot(args[i], False)) for i in range(1, n_args)]
+        self.rets = [(i, _Slot(rets[i], True)) for i in range(1, n_rets)]
+        dtype = DTYPES[Buffer.from_address(args[0]).dtype]
+        self.token = C.c_double if dtype is np.float64 else C.c_float
 
 
-def _arrays(values: "C._Pointer[C.c_void_p]", slots: Sequence[_Slot]) -> list[np.ndarray]:
-    """numpy views of XLA's buffers (valid only during the call). The arguments' views
-    are read-only, as JAX's own callbacks pass them: XLA may pass a program input or a
-    constant of the program, which a method must not change."""
-    return [slot.view(C.c_void_p.from_address(values[i] + _DATA).value)
-            for i, slot in enumerate(slots)]
+def _address(buffer: int) -> int | None:
+    """**Returns:** the data address of the XLA buffer struct at `buffer`."""
+    return C.c_void_p.from_address(buffer + _DATA).value
 
 
 def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
@@ -148,22 +155,27 @@ def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
         arg_values, ret_values = frame.args.values, frame.rets.values
         plans = _plans.get(call_id)
         if plans is None:
-            plans = _plans[call_id] = (_plan(arg_values, frame.args.size, False),
-                                       _plan(ret_values, frame.rets.size, True))
-        args = _arrays(arg_values, plans[0])
-        rets = _arrays(ret_values, plans[1])
-        rets[0][()] = float(args[0]) + 1.0  # the token: how many calls ran before, plus one
+            plans = _plans[call_id] = _Plans(arg_values, frame.args.size,
+                                             ret_values, frame.rets.size)
+        # the token: how many calls ran before, plus one (read and written in place)
+        token, before, after = plans.token, _address(arg_values[0]), _address(ret_values[0])
+        assert before is not None and after is not None  # (a scalar has an address)
+        token.from_address(after).value = token.from_address(before).value + 1
+        # (the arguments' views are read-only, as JAX's own callbacks pass them: XLA may
+        # pass a program input or a constant of the program, which a method must not change)
+        args = [slot.view(_address(arg_values[i])) for i, slot in plans.args]
+        rets = [slot.view(_address(ret_values[i])) for i, slot in plans.rets]
         pending = offered()
         if pending is not None:
             if pending.ranks_disagree():
                 # The ranks do not agree on this program: no method runs, on any rank
                 # (each one's first call finds it out), and the results are zeros.
-                for out in rets[1:]:
+                for out in rets:
                     out[...] = 0
                 return None
             withdraw()  # (agreed: the program's later calls need not ask)
-        results = call(*args[1:], out=rets[1:])
-        for out, result in zip(rets[1:], results):
+        results = call(*args, out=rets)
+        for out, result in zip(rets, results):
             if result is not out:
                 # (numpy skips the copy when `result` is `out`'s memory: written in place)
                 out[...] = result

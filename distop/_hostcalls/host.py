@@ -25,6 +25,7 @@ from .failure import fail
 from .spec import CallSpec
 
 Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for every row
+_NO_ROWS = np.zeros(0, np.intp)  # (no row of the batch)
 
 
 def rows_of(mask: np.ndarray) -> Rows:
@@ -106,6 +107,9 @@ class HostCall(HostCallable):
         # collectives). Under MPI a fused call agrees on the rows of several calls with
         # one collective (`FusedCall`); one collective per call costs more than it saves.
         self._skips_alone = spec.skippable and not (several and self.declared)
+        # A batch of one row for a method that takes no batch axis (a reverse sweep of
+        # one seed): the method runs on the row's views, without the per-row loop.
+        self._one_row = self.batch_shape == (1,) and not self.batched
 
     def __repr__(self) -> str:
         return repr(self.spec)
@@ -202,6 +206,8 @@ class HostCall(HostCallable):
                         rows = self._nonzero_rows(args)
                     if rows is not None:
                         results = self._call_some_rows(args, rows, comm, out)
+                    elif self._one_row:
+                        results = self._call_one_row(args, comm, out)
                     elif self.batched:
                         results = self._call_batched(args, comm, out)
                     else:
@@ -268,7 +274,26 @@ class HostCall(HostCallable):
 
         **Returns:** the row indices, or None to pass every row.
         """
-        return rows_of(self.row_mask(args)) if self._skips_alone else None
+        if not self._skips_alone:
+            return None
+        if self.batch_shape == (1,):  # (one row: whether any of its entries is nonzero)
+            return None if any(a.any() for a in args[:self.n_linear]) else _NO_ROWS
+        return rows_of(self.row_mask(args))
+
+    def _call_one_row(self, args: Sequence[np.ndarray], comm: Any,
+                      out: Sequence[np.ndarray] | None) -> tuple[np.ndarray, ...]:
+        """The method on the one row of a batch of one, given the row's views (and
+        XLA's buffers' rows, where given, to write into)."""
+        # (`[0, ...]`: a view, 0-d where the row is, never a numpy scalar)
+        row = [a[0, ...] if lv[0] else a for a, lv in zip(args, self.levels)]
+        given = [o[0, ...] for o in out] if out else None
+        results = self._check(self._invoke(row, comm, given), ())
+        if given is None:
+            return tuple(r[None] for r in results)
+        for buffer, r in zip(given, results):
+            if r is not buffer:
+                buffer[...] = r
+        return tuple(out)  # type: ignore[arg-type]  # (given: `out` is not None)
 
     def _call_some_rows(self, args: Sequence[np.ndarray], rows: slice | np.ndarray, comm: Any,
                         out: Sequence[np.ndarray] | None) -> tuple[np.ndarray, ...]:
@@ -340,6 +365,12 @@ class HostCall(HostCallable):
     def _check(self, result: Any, batch: tuple[int, ...],
                row: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
         n = self.n_user_results
+        if n == 1 and type(result) is np.ndarray and len(self._expected) == 1:
+            # (one array returned: the common case, checked without the loop below)
+            _, shape, dtype = self._expected[0]
+            if result.shape == batch + shape and result.dtype == dtype \
+                    and result.flags.c_contiguous:
+                return (result,)
         if n == 1 and isinstance(result, list):
             where, what = self._describe(row)
             raise OperatorError(self.say(

@@ -42,6 +42,7 @@ sys.path[:0] = [str(HERE.parent)]
 from suite import MARK, fmt, launch, print_table, ratio  # noqa: E402
 
 DIFFUSION = 0.2  # the stencil's coefficient (stable below 0.25)
+STARTED = time.perf_counter()
 
 
 # -- worker side: runs under mpiexec -------------------------------------------------
@@ -61,6 +62,21 @@ def interleaved(comm, variants, repeat):
             variants[name]()
             times[name].append(time.perf_counter() - started)
     return {name: comm.allreduce(statistics.median(t), op=MPI.MAX) for name, t in times.items()}
+
+
+def report(comm, result):
+    """Print `result` on rank 0 as the suite's workers do: one JSON line, with the
+    versions and the job's time so far."""
+    import jax
+    from mpi4py import MPI
+
+    import distop
+
+    result.update(seconds=time.perf_counter() - STARTED, jax=jax.__version__,
+                  distop=distop.__version__, missing=[],
+                  mpi=" ".join(MPI.Get_library_version().splitlines()[0].split()))
+    if comm.Get_rank() == 0:
+        print(MARK + json.dumps(result), flush=True)
 
 
 def rows_of(n, size, rank):
@@ -219,8 +235,7 @@ def heat_worker(args):
                   / float(np.max(np.abs(exact_g))))
     result = interleaved(comm, variants, args.repeat)
     result["err"] = comm.allreduce(err, op=MPI.MAX)
-    if rank == 0:
-        print(MARK + json.dumps(result), flush=True)
+    report(comm, result)
 
 
 # -- the microbenchmark: host calls that do no work, against the bare FFI call ---------
@@ -310,15 +325,28 @@ def micro_worker(args):
         variants[f"grad {steps}"] = lambda made=made: made.compute_totals("f", "u")
         program = bare.program(steps)
         variants[f"bare {steps}"] = lambda p=program: jax.block_until_ready(p(token, u0))
-    result = interleaved(comm, variants, args.repeat)
-    if comm.Get_rank() == 0:
-        print(MARK + json.dumps(result), flush=True)
+    report(comm, interleaved(comm, variants, args.repeat))
 
 
 # -- driver side -----------------------------------------------------------------------
 def per_step(r, name, split):
     s1, s2 = split
     return (r[f"{name} {s2}"] - r[f"{name} {s1}"]) / (s2 - s1)
+
+
+def jobs(args):
+    """**Returns:** (key, worker, ranks, options) of every job: one per section, rank
+    count and (for `heat`) size; the suite runs the same jobs."""
+    common = ["--steps", str(args.steps), "--split", *map(str, args.split),
+              "--repeat", str(args.repeat), "--micro-repeat", str(args.micro_repeat)]
+    found = []
+    for section in args.sections:
+        for ranks in args.ranks:
+            for n in args.sizes if section == "heat" else [None]:
+                key = f"{section} {ranks}" + ("" if n is None else f" {n}")
+                found.append((key, section, ranks,
+                              common + ([] if n is None else ["--size", str(n)])))
+    return found
 
 
 def main(argv=None):
@@ -341,23 +369,16 @@ def main(argv=None):
         if args.worker == "micro":
             args.repeat = args.micro_repeat
         return {"heat": heat_worker, "micro": micro_worker}[args.worker](args)
-    results, failed = {"heat": {}, "micro": {}}, False
-    common = ["--steps", str(args.steps), "--split", *map(str, args.split),
-              "--repeat", str(args.repeat), "--micro-repeat", str(args.micro_repeat)]
-    for section in args.sections:
-        for ranks in args.ranks:
-            for n in args.sizes if section == "heat" else [None]:
-                options = common + ([] if n is None else ["--size", str(n)])
-                started = time.perf_counter()
-                r, report = launch(section, ranks, args, script=HERE, options=options)
-                key = f"{ranks}" if n is None else f"{ranks} {n}"
-                print(f"# {section} on {ranks} rank(s){'' if n is None else f', n={n}'}: "
-                      f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-                if report:
-                    print(report, file=sys.stderr)
-                    failed = True
-                else:
-                    results[section][key] = r
+    results, failed = {}, False
+    for key, section, ranks, options in jobs(args):
+        started = time.perf_counter()
+        r, failure = launch(section, ranks, args, script=HERE, options=options)
+        print(f"# {key}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        if failure:
+            print(failure, file=sys.stderr)
+            failed = True
+        else:
+            results[key] = r
     print_tables(results, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -367,11 +388,14 @@ def main(argv=None):
 
 
 def print_tables(results, args):
-    """Print the heat equation's tables and the microbenchmark's, from `results`."""
+    """Print the heat equation's tables and the microbenchmark's, from `results` (keyed
+    as `jobs` names them)."""
     S, split = args.steps, args.split
     rows, steps = [], []
-    for key, r in results["heat"].items():
-        ranks, n = key.split()
+    for key, r in results.items():
+        if not key.startswith("heat "):
+            continue
+        ranks, n = key.split()[1:]
         for kind in ("scan", "python"):
             rows.append([ranks, n, kind, fmt(r["hand run"], "ms"), fmt(r[f"{kind} run"], "ms"),
                          fmt(ratio(r[f"{kind} run"], r["hand run"]), "x"),
@@ -400,7 +424,10 @@ def print_tables(results, args):
                     ["P", "n", "hand fwd", "fwd", "fwd-hand", "hand rev", "rev", "rev-hand",
                      "hand grad", "grad", "grad/hand", "rev/fwd"], steps)
     micro = []
-    for ranks, r in results["micro"].items():
+    for key, r in results.items():
+        if not key.startswith("micro "):
+            continue
+        ranks = key.split()[1]
         fwd, grad, bare = (per_step(r, name, split) for name in ("run", "grad", "bare"))
         vjp = grad - fwd
         micro.append([ranks, fmt(bare, "us"), fmt(fwd, "us"), fmt(vjp, "us"),

@@ -88,8 +88,12 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    is one process with `DISTOP_ASYNC_DISPATCH=1`: JAX's async dispatch kept, so XLA
    runs programs above about 1000 flops (`prog 1+dot`, `prog 16 fused`) on a worker
    thread, host calls included.
+6. `stencil`: benchmarks/stencil.py (the heat equation with `HaloExchange` in a time
+   loop against hand-written numpy + mpi4py, and host calls that do no work against
+   the bare FFI call), under each of `--ranks`, at `--stencil-sizes` (96 384; quick 96),
+   with at most 15 repeats (40 for the microbenchmark).
 
-Sections 1, 3 and 5 run under each of `--ranks`, section 2 under `--chain-ranks`,
+Sections 1, 3, 5 and 6 run under each of `--ranks`, section 2 under `--chain-ranks`,
 section 4 under `--large-ranks` (each 1 2 4). `--quick`: 5 repeats, K 1 16, N 10 100,
 m 8 1e5, M 1e5, ranks 1 2 (chain and large: 2) (about a minute). Other options: --sections,
 --size M, --objectives K.., --ops N.., --messages m.., --timeout S (per job; 1800,
@@ -115,14 +119,15 @@ from jax.experimental import io_callback
 
 HERE = pathlib.Path(__file__).resolve()
 MARK = "SUITE_JSON "  # prefixes the result line a worker prints on rank 0
-SECTIONS = ("matvec", "chain", "message", "large", "overhead")
+SECTIONS = ("matvec", "chain", "message", "large", "overhead", "stencil")
 GROUPS = 40  # independent chains in the `groups` model of the chain section
 FULL = {"repeat": 50, "objectives": [1, 16, 64], "ops": [10, 100, 1000, 2000],
         "messages": [8, 1000, 100_000, 1_000_000], "ranks": [1, 2, 4], "chain_ranks": [1, 2, 4],
-        "large_ranks": [1, 2, 4], "timeout": 1800, "large_size": 1_000_000}
+        "large_ranks": [1, 2, 4], "timeout": 1800, "large_size": 1_000_000,
+        "stencil_sizes": [96, 384]}
 QUICK = {"repeat": 5, "objectives": [1, 16], "ops": [10, 100], "messages": [8, 100_000],
          "ranks": [1, 2], "chain_ranks": [2], "large_ranks": [2], "timeout": 300,
-         "large_size": 100_000}
+         "large_size": 100_000, "stencil_sizes": [96]}
 MATVEC = ("hand", "hand+jit", "floor", "ffi", "lean", "nofuse", "io_cb", "unord", "mpi4jax",
           "openmdao")
 MATVEC_ENTRIES = ("run", "compute_totals", "run+totals", "run_and_compute_totals")
@@ -783,8 +788,31 @@ def overhead_tables(results, args):
                 header, rows)
 
 
+def stencil_module():
+    """**Returns:** benchmarks/stencil.py as a module (its jobs and tables)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stencil", HERE.parent / "stencil.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stencil_settings(args):
+    """**Returns:** benchmarks/stencil.py's settings for the suite's `stencil` section:
+    its defaults, with the suite's ranks, sizes, repeats and timeout."""
+    return argparse.Namespace(
+        ranks=args.ranks, sizes=args.stencil_sizes, steps=50, split=[25, 100],
+        repeat=min(args.repeat, 15), micro_repeat=min(args.repeat, 40),
+        sections=["heat", "micro"], timeout=args.timeout)
+
+
+def stencil_tables(results, args):
+    stencil_module().print_tables(results, stencil_settings(args))
+
+
 TABLES = {"matvec": matvec_tables, "chain": chain_tables, "message": message_tables,
-          "large": large_tables, "overhead": overhead_tables}
+          "large": large_tables, "overhead": overhead_tables, "stencil": stencil_tables}
 
 
 def run_section(section, args):
@@ -794,12 +822,17 @@ def run_section(section, args):
     """
     results, failures = {}, []
     ranks_of = {"chain": args.chain_ranks, "large": args.large_ranks}
-    jobs = [(str(ranks), ranks, None) for ranks in ranks_of.get(section, args.ranks)]
+    jobs = [(str(ranks), section, ranks, None, HERE, None)
+            for ranks in ranks_of.get(section, args.ranks)]
     if section == "overhead":  # JAX's async dispatch kept, one process
-        jobs.append(("1 async", 1, {"DISTOP_ASYNC_DISPATCH": "1"}))
-    for key, ranks, extra_env in jobs:
+        jobs.append(("1 async", section, 1, {"DISTOP_ASYNC_DISPATCH": "1"}, HERE, None))
+    if section == "stencil":  # benchmarks/stencil.py's jobs, run by its own workers
+        stencil = stencil_module()
+        jobs = [(key, worker, ranks, None, stencil.HERE, options) for key, worker, ranks,
+                options in stencil.jobs(stencil_settings(args))]
+    for key, worker_section, ranks, extra_env, script, options in jobs:
         start = time.perf_counter()
-        result, report = launch(section, ranks, args, extra_env)
+        result, report = launch(worker_section, ranks, args, extra_env, script, options)
         print(f"# {section} on {key} rank(s): {time.perf_counter() - start:.1f} s"
               + ("" if report is None else ", FAILED"), file=sys.stderr, flush=True)
         if report is None:
@@ -831,6 +864,7 @@ def parse(argv):
     parser.add_argument("--chain-ranks", type=int, nargs="+")
     parser.add_argument("--large-ranks", type=int, nargs="+")
     parser.add_argument("--large-size", type=lambda s: int(float(s)))
+    parser.add_argument("--stencil-sizes", type=int, nargs="+")
     parser.add_argument("--repeat", type=int)
     parser.add_argument("--size", type=int, default=400)
     parser.add_argument("--objectives", type=int, nargs="+")

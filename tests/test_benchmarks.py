@@ -87,6 +87,22 @@ def test_loops_benchmark_prints_its_three_tables():
             assert float(line.split()[-1]) < 1e-12, line
 
 
+def test_stencil_benchmark_prints_its_tables_with_exact_gradients():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stencil.py"), "--ranks", "2", "--sizes",
+         "12", "--steps", "4", "--split", "2", "4", "--repeat", "1", "--micro-repeat", "1"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for title in ("heat equation, 4 steps", "heat equation in a scan, per step",
+                  "host calls that do no work"):
+        assert title in proc.stdout, proc.stdout
+    # distop's values and gradients, scan and Python loop, against the hand-written ones
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split()[:2] == ["2", "12"] and line.split()[2] in ("scan", "python")]
+    assert len(rows) == 2 and all(float(row[-1]) < 1e-12 for row in rows), proc.stdout
+
+
 def test_scale_benchmark_counts_one_fixed_size_collective_per_steady_call():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--ranks", "2"],

@@ -158,6 +158,7 @@ class HaloExchange(DistributedOperator):
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
+    unbatched = "expand_dims"  # (the vjp's and jvp's inputs, which they do not read)
 
     def __check_init__(self) -> None:
         if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)) \
@@ -192,9 +193,9 @@ class HaloExchange(DistributedOperator):
 
     def forward(self, comm: Any, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         rows = _rows_first(x, batched)  # (n or edge rows, B, ...)
-        w = int(self.width)
-        if self.block_rows is not None:
-            plan = _plan(self, comm, int(self.block_rows))
+        w, block_rows = int(self.width), self.block_rows
+        if block_rows is not None:
+            plan = _plan(self, comm, int(block_rows))
             halo = _exchange(comm, rows, plan.edge_gives, plan.takes, 2 * w)
             return _batch_first(halo, batched)
         plan = _plan(self, comm, rows.shape[0])
@@ -204,12 +205,11 @@ class HaloExchange(DistributedOperator):
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
             batched: bool = False) -> np.ndarray:
         window = _rows_first(y_bar, batched)  # (n + 2w or 2w, B, ...)
-        w = int(self.width)
+        w, block_rows = int(self.width), self.block_rows
         # the transpose of the forward's exchange: halo places back to owners' rows
-        if self.block_rows is not None:
-            plan = _plan(self, comm, int(self.block_rows))
-            x_bar = np.zeros((edge_rows(int(self.block_rows), w),) + window.shape[1:],
-                             window.dtype)
+        if block_rows is not None:
+            plan = _plan(self, comm, int(block_rows))
+            x_bar = np.zeros((edge_rows(int(block_rows), w),) + window.shape[1:], window.dtype)
             _exchange(comm, window, plan.takes, plan.edge_gives, 0, into=x_bar)
             return _batch_first(x_bar, batched)
         n = window.shape[0] - 2 * w

@@ -22,6 +22,7 @@ from .._agreement.coordinator import stable_hash
 from .._collectives.basic import AllreduceSum
 from .._errors import DistopError
 from .._hostcalls import ffi as _ffi
+from .._hostcalls.ffi import anywhere
 from .analysis import REPLICATED, VARYING, Info, analyse_function, inner_constants
 from .emit import emit
 
@@ -80,6 +81,9 @@ def with_kinds(fn: Callable[..., Any], distributed: str | int | Iterable[str | i
     return inference.wrap(fn)
 
 
+_HOST_CODE = ("io_callback", "pure_callback", "ffi_call")  # a model's own host code
+
+
 class Inference:
     """Kind inference for one function and communicator.
 
@@ -100,6 +104,7 @@ class Inference:
         self.total = AllreduceSum(comm=comm)
         self.kinds: dict[int, int] = {}  # a constant's hash -> its kind, as agreed
         self.pending: list[int] = []  # hashes not compared yet (see `compare_constants`)
+        self.output_kinds: Any = None  # the last trace's outputs, each leaf its kind
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """**Returns:** `fn`, traced through this inference."""
@@ -110,6 +115,7 @@ class Inference:
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Call `fn`, with `vary` where its kinds say."""
+        self.output_kinds = None
         if self.comm.Get_size() == 1:  # (a sum over one rank is the identity)
             return fn(*args, **kwargs)
         leaves, tree = jax.tree.flatten((args, kwargs))
@@ -136,12 +142,28 @@ class Inference:
         inner = inner_constants(closed.jaxpr)
         infos = self._constant_kinds([*closed.consts, *inner])
         ins = [Info(kind, True) for kind in kinds]
-        _, plan = analyse_function(closed.jaxpr, ins, infos[:len(closed.consts)],
-                                   {id(c): i for c, i in zip(inner, infos[len(closed.consts):])})
+        outs, plan = analyse_function(closed.jaxpr, ins, infos[:len(closed.consts)],
+                                      {id(c): i for c, i in zip(inner,
+                                                                infos[len(closed.consts):])})
+        # (host code of the model's own may reduce values itself: their kinds are not known)
+        opaque = anywhere(closed.jaxpr.eqns, lambda e: e.primitive.name in _HOST_CODE)
+        self.output_kinds = None if opaque else jax.tree.unflatten(
+            out_tree[0], [info.kind for info in outs])
         if not plan.varies:
             return fn(*args, **kwargs)
         outs = emit(closed.jaxpr, closed.consts, leaves, plan, self.total)
         return jax.tree.unflatten(out_tree[0], outs)
+
+    def varying_outputs(self) -> list[str]:
+        """**Returns:** the names of the last traced model's outputs (a dict) that vary
+        between ranks by their inferred kind (every leaf varying; constants not yet
+        compared count as replicated); none where the model has host code of its own
+        (`io_callback`, `pure_callback`, an FFI call), which may reduce values itself."""
+        kinds = self.output_kinds
+        if not isinstance(kinds, dict):
+            return []
+        return sorted(k for k, v in kinds.items()
+                      if jax.tree.leaves(v) and all(leaf == VARYING for leaf in jax.tree.leaves(v)))
 
     def _argument_kinds(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """**Returns:** `(args, kwargs)` with each leaf replaced by its kind."""

@@ -20,7 +20,13 @@ from .._compiler.schedule import ScheduleEntry
 from .._compiler.tracing import FDOptions, TotalsOptions
 from .._config import env_flag
 from .._diagnostics import profile as _profile
-from .._errors import DistopError, MissingMethodError, OrderedEffectError, SecondDerivativeError
+from .._errors import (
+    DistopError,
+    KindError,
+    MissingMethodError,
+    OrderedEffectError,
+    SecondDerivativeError,
+)
 from .._inference.transform import Inference
 from .._totals import assembly as _assembly
 from .._totals import totals as _totals
@@ -110,7 +116,10 @@ class Problem:
     refused on some ranks raises its own `TypeError` or `ValueError` there, and a
     `DistopError` naming it on the others; ranks that call with different arguments get
     a `DistopError` on every rank. `ScheduleMismatchError` on every rank where the
-    ranks' programs differ.
+    ranks' programs differ. `DistopError` on every rank where an input not named in
+    `distributed` differs between ranks (beyond its last bits) at the initial point;
+    `KindError` where an output varies between ranks by its inferred kind and is not
+    named there.
 
     ```python
     import jax
@@ -158,6 +167,8 @@ class Problem:
                 + "\n".join(f"  rank {r}: {names}" for r, names in enumerate(every))
                 + "\nName the same inputs and outputs on every rank.")
         self._coordinator.widen([int(top[0])])
+        _totals.check_replicated_inputs(self.comm, self._coordinator.most, self.distributed,
+                                        self._point)
         self._fuse = fused
         self.input_names = tuple(self._point)
         # (the model's kinds: where a replicated input meets varying data, its
@@ -175,6 +186,9 @@ class Problem:
             raise ValueError(f"Problem(distributed={sorted(self.distributed)}): no input or "
                              f"output named {sorted(unknown)}; inputs are "
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
+        self._coordinator.collective_step(
+            "Problem: checking the outputs' kinds",
+            lambda: _check_output_kinds(inference.varying_outputs(), self.distributed))
         schedule = None
         differentiable = layout.differentiable
         if differentiable["outputs"] and differentiable["inputs"]:
@@ -490,6 +504,20 @@ class Problem:
             columns = sum(layout.global_size(w) for w in wrt)
             direction = "fwd" if columns < rows else "rev"
         return layout, of, wrt, direction
+
+
+def _check_output_kinds(varying: list[str], distributed: frozenset[str]) -> None:
+    """Raise where an output that varies between ranks is not declared distributed:
+    compute_totals would take it as replicated and sum its derivatives over the ranks."""
+    undeclared = [k for k in varying if k not in distributed]
+    if undeclared:
+        raise KindError(
+            f"Problem: outputs {undeclared} vary between ranks (each rank computes its own "
+            "from distributed data, and nothing reduces them), but they are not named in "
+            "distributed=, so compute_totals would take them as replicated and sum their "
+            "derivatives over the ranks. If each rank holds a block of them along axis 0, "
+            f"declare them: Problem(..., distributed={set(undeclared) | set(distributed)!r}); "
+            "else reduce them to one value on every rank, e.g. distop.AllreduceSum()(...).")
 
 
 def _failure(err: BaseException) -> Failure:

@@ -142,6 +142,69 @@ def check_replicated(comm: Any, distributed: frozenset[str], values: dict[str, A
     raise DistopError("\n".join(lines))
 
 
+# Values that ranks compute themselves may differ in their last bits: a replicated
+# input counts as the same on every rank where it is within this many units in the last
+# place of its largest magnitude of rank 0's value (integers and booleans: exactly).
+REPLICATED_ULPS = 64
+
+
+def check_replicated_inputs(comm: Any, most: Callable[[np.ndarray], np.ndarray],
+                            distributed: frozenset[str], point: dict[str, Any]) -> None:
+    """Raise on every rank where an input not named in `distributed` differs between
+    ranks by more than its last bits (see `REPLICATED_ULPS`), as a Problem is made.
+
+    One reduction of two numbers where every rank holds the same values; only where
+    they differ, a gather of the inputs that differ, to measure by how much.
+
+    **Arguments:**
+    - `comm`: the Problem's communicator.
+    - `most`: the elementwise max over ranks of an int64 vector.
+    - `distributed`: the names of the distributed values.
+    - `point`: name -> numpy array, the initial point.
+    """
+    names = [k for k in point if k not in distributed]
+    if comm.Get_size() == 1 or not names:
+        return
+    digests = [_digest(point[k]) for k in names]
+    whole = stable_hash((names, digests))
+    top = most(np.array([whole, -whole], np.int64))
+    if top[0] == -top[1]:
+        return
+    every = comm.allgather(dict(zip(names, digests)))
+    bad = [k for k in names if all(k in d for d in every) and len({d[k] for d in every}) > 1]
+    arrays = comm.allgather([np.asarray(point[k]) for k in bad])
+    lines = []
+    for j, name in enumerate(bad):
+        ref = arrays[0][j]
+        for rank, mine in enumerate(arrays[1:], start=1):
+            said = _difference(mine[j], ref)
+            if said is not None and not _last_bits(mine[j], ref):
+                lines.append(f"  {name!r}: rank {rank} {said}")
+    if lines:
+        first = sorted({line.split("'")[1] for line in lines})
+        raise DistopError(
+            "Problem: inputs not named in distributed= differ between ranks, so distop "
+            "would take them as replicated (the same everywhere) and sum their "
+            "derivatives over the ranks:\n" + "\n".join(lines) + "\nIf each rank holds "
+            f"its own block of these inputs, declare them: Problem(..., distributed="
+            f"{set(first) | set(distributed)!r}); if they must be the same everywhere, "
+            "give every rank the same values.")
+
+
+def _last_bits(mine: np.ndarray, ref: np.ndarray) -> bool:
+    """**Returns:** whether floating-point `mine` is within `REPLICATED_ULPS` units in the
+    last place of `ref`'s largest magnitude (same shape and dtype)."""
+    if mine.shape != ref.shape or mine.dtype != ref.dtype or mine.dtype.kind not in "fc":
+        return False
+    with np.errstate(invalid="ignore", over="ignore"):
+        if (np.isnan(mine) != np.isnan(ref)).any():
+            return False
+        gap = np.where(np.isnan(ref), 0, np.abs(mine - ref))
+        scale = np.max(np.where(np.isnan(ref), 0, np.abs(ref)), initial=0.0)
+    eps = np.finfo(ref.dtype).eps
+    return bool(np.max(gap, initial=0.0) <= REPLICATED_ULPS * eps * scale)
+
+
 class _Stdout:
     """`check_totals`'s default stream: `sys.stdout` as it is when called, not as it was
     at import (a redirection, or pytest's capture, replaces it)."""

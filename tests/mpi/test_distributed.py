@@ -462,8 +462,13 @@ def test_bad_input_raises_on_every_rank():
                                  check_replicated=True)
         raises(distop.DistopError, f"'p': rank {size - 1} differs from rank 0",
                lambda: problem.run(p=np.ones(2) * (1 + (rank == size - 1))))
-        differing = distop.Problem(lambda p: {"y": p * 2.0},
-                                   {"p": np.ones(2) * (1 + (rank == size - 1))})
+        # made at a point that differs between ranks: refused as it is made
+        raises(distop.DistopError, f"'p': rank {size - 1} differs from rank 0",
+               lambda: distop.Problem(lambda p: {"y": p * 2.0},
+                                      {"p": np.ones(2) * (1 + (rank == size - 1))}))
+        # moved there by run (which checks only with check_replicated=True)
+        differing = distop.Problem(lambda p: {"y": p * 2.0}, {"p": np.ones(2)})
+        differing.run(p=np.ones(2) * (1 + (rank == size - 1)))
         raises(distop.DistopError, "replicated values differ",
                lambda: differing.check_totals(out_stream=None))
         class Ragged(distop.DistributedOperator):  # axis 1 differs between ranks
@@ -538,3 +543,34 @@ def test_a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_giv
     for key in flat_totals:
         all_close_everywhere(comm, totals[key], flat_totals[key], rtol=1e-13)
     check(problem)
+
+
+def test_a_forgotten_distributed_declaration_raises_as_the_problem_is_made():
+    halo, total = distop.HaloExchange(), distop.AllreduceSum()
+
+    def stencil(u):
+        h = halo(u)
+        return h[:-2] - 2 * h[1:-1] + h[2:]
+
+    def scalar(u):
+        return {"f": total(jnp.sum(stencil(u) ** 2))}
+
+    block = np.linspace(0.0, 1.0, 4) + rank  # equal block sizes, other values per rank
+    if size > 1:
+        # a distributed input left out of distributed=
+        raises(distop.DistopError, "'u': rank 1 differs from rank 0",
+               lambda: distop.Problem(scalar, {"u": block}))
+        # a distributed output left out of distributed=
+        raises(distop.KindError, "outputs ['v'] vary between ranks",
+               lambda: distop.Problem(lambda u: {"v": stencil(u)}, {"u": block},
+                                      distributed={"u"}))
+    # no false alarm: each declared, a replicated input equal everywhere, and one that
+    # differs in its last bits only (as values a rank computes itself may)
+    declared = distop.Problem(lambda u, p: {"v": stencil(u) * p[0], "f": scalar(u)["f"]},
+                              {"u": block, "p": np.array([1.0, 2.0]) + rank * np.finfo(float).eps},
+                              distributed={"u", "v"})
+    J = declared.compute_totals("f", "u")["f", "u"]
+    assert J.shape == (1, 4 * size)
+    reduced = distop.Problem(scalar, {"u": block}, distributed={"u"})
+    all_close_everywhere(comm, reduced.run()["f"], declared.run()["f"])
+

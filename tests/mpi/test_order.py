@@ -220,17 +220,17 @@ def test_calls_given_rows_alike_where_ranks_build_different_programs():
         out = {"a": jnp.sum(x), "c": z[0], "d": z[1] + z[2]}
         # only ranks holding rows of w add a term in y: there, the second call's
         # cotangent reaches the first through a sum; elsewhere, directly
-        out["e"] = jnp.sum(y) * jnp.sum(w) if w.shape[0] else jnp.sum(w)
+        out["e"] = jnp.sum(y) * w if w.shape[0] else w  # (distributed, as w)
         return out
 
     w = np.ones(1) if rank == 0 else np.zeros(0)
     problem = distop.Problem(model, {"x": np.array([1.0, 2.0, 3.0]), "w": w},
-                             distributed=["w"], backend="lean")
+                             distributed=["w", "e"], backend="lean")
     J = problem.compute_totals(wrt="x")
     # the same rows everywhere, so every Allreduce meets its partners
     assert comm.allgather(seen) == [seen] * size, seen
     reference = distop.Problem(model, {"x": np.array([1.0, 2.0, 3.0]), "w": w},
-                               distributed=["w"], backend="io_callback")
+                               distributed=["w", "e"], backend="io_callback")
     R = reference.compute_totals(wrt="x")
     for key in R:
         all_close_everywhere(comm, J[key], R[key])

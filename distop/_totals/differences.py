@@ -27,6 +27,24 @@ ROUNDING_UNITS = 2.0
 TERMS_UNITS = 1.0
 
 
+# The default step of finite differences, by the precision of the values (bits of the
+# least precise input or output checked): near the step where rounding and truncation
+# balance for values of order one. The complex step has no rounding to balance.
+DEFAULT_STEPS = {64: 1e-6, 32: 1e-3, 16: 3e-2}
+COMPLEX_STEP = 1e-6
+# An entry within its allowance only by the error of its own estimate, where that error
+# is more than this share of its block's largest entry, cannot be judged: it fails.
+JUDGEABLE = 0.05
+
+
+def default_step(method: str, dtypes: list) -> float:
+    """**Returns:** the default step for values of `dtypes` (see `DEFAULT_STEPS`)."""
+    if method == "cs":
+        return COMPLEX_STEP
+    bits = min(np.finfo(np.dtype(d)).bits for d in dtypes) if dtypes else 64
+    return DEFAULT_STEPS.get(bits, DEFAULT_STEPS[64] if bits > 64 else DEFAULT_STEPS[16])
+
+
 def multiples(method: str, form: str) -> tuple[complex, ...]:
     """**Returns:** the multiples of the step at which a function is evaluated besides
     the point itself (the step's first, then twice the step's): one or two per step
@@ -120,9 +138,14 @@ def terms_rounding(method: str, form: str, steps: list[np.ndarray], eps: float,
         return (2 * TERMS_UNITS * eps) * terms.reshape(-1, 1) / width.reshape(1, -1)
 
 
-def judge(got: np.ndarray, ref: np.ndarray,
-          allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def judge(got: np.ndarray, ref: np.ndarray, allowed: np.ndarray,
+          inexact: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Judge each entry of `got` against `ref` and what it is `allowed`.
+
+    **Arguments:**
+    - `got`, `ref`, `allowed`: the values, the reference and the allowance, entry by entry.
+    - `inexact`: where given, the entries whose reference is too inexact to judge them
+      (they fail where they differ from it by more than the tolerances alone allow).
 
     **Returns:** `(diff, within, share)`: |got - ref|; whether it is within the
     allowance (an infinite or NaN difference or allowance is not: inf <= inf would
@@ -131,6 +154,8 @@ def judge(got: np.ndarray, ref: np.ndarray,
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         diff = np.abs(got - ref)
         within = np.isfinite(diff) & np.isfinite(allowed) & (diff <= allowed)
+        if inexact is not None:
+            within &= ~inexact
         share = np.where(within, np.where(diff > 0, diff / allowed, 0.0), np.inf)
     return diff, within, share
 

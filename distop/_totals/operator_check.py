@@ -24,7 +24,7 @@ from .._agreement import comm as _comm
 from .._dtypes import inexact_dtype
 from .._errors import DerivativeCheckError, DistopError, MissingMethodError
 from .._operators.operator import DistributedOperator, as_arrays
-from .differences import estimate, judge, multiples
+from .differences import JUDGEABLE, default_step, estimate, judge, multiples
 from .totals import STDOUT
 
 
@@ -49,7 +49,7 @@ class OperatorCheck:
 
 def check_operator(op: DistributedOperator, *inputs: Any,
                    replicated_inputs: Iterable[int] = (),
-                   replicated_outputs: Iterable[int] = (), step: float = 1e-6,
+                   replicated_outputs: Iterable[int] = (), step: float | None = None,
                    atol: float = 1e-8, rtol: float = 1e-6, seed: int = 0,
                    out_stream: Any = STDOUT,
                    raise_on_error: bool = False) -> dict[str, OperatorCheck]:
@@ -62,7 +62,8 @@ def check_operator(op: DistributedOperator, *inputs: Any,
     - `replicated_inputs`, `replicated_outputs`: the positions of the inputs and
       outputs that are replicated (the same on every rank, counted once); the others
       are rank-local or distributed (each rank's own).
-    - `step`: the finite-difference step along the tangent.
+    - `step`: the finite-difference step along the tangent; by default 1e-6 for
+      float64 values, 1e-3 for float32 ones (as `Problem.check_totals`).
     - `atol`, `rtol`: the tolerances.
     - `seed`: seeds the random tangents and cotangents.
     - `out_stream`: where rank 0 prints the report (default `sys.stdout` as it is at
@@ -105,14 +106,16 @@ def check_operator(op: DistributedOperator, *inputs: Any,
     w_out = [1 / size if k in rep_out else 1.0 for k in real_out]
 
     results: list[OperatorCheck] = []
+    if step is None:
+        step = default_step("fd", [a.dtype for a in primals] + [outs[k].dtype for k in real_out])
     fd, fd_error = _differences(f, primals, tangents, real_out, step)
     jvp = _try(lambda: jax.jvp(f, primals, tangents)[1])
     pullback = jax.vjp(f, *primals)[1] if diff else None
     vjp = _try(lambda: pullback(tuple(cotangents))) if pullback is not None else None
     if jvp is not None:
         got = _flat([jvp[k] for k in real_out])
-        results.append(_entrywise(comm, "jvp vs fd", got, fd, atol + rtol * np.abs(fd)
-                                  + fd_error))
+        results.append(_entrywise(comm, "jvp vs fd", got, fd, atol + rtol * np.abs(fd),
+                                  fd_error))
     if vjp is not None:
         right = _pairing(vjp, tangents, w_in)
         for pair, ydot, error in (("vjp vs fd", fd, fd_error),
@@ -211,9 +214,16 @@ def _differences(f: Callable[..., Any], primals: Sequence[Any], tangents: Sequen
 
 
 def _entrywise(comm: Any, pair: str, got: np.ndarray, ref: np.ndarray,
-               allowed: np.ndarray) -> OperatorCheck:
-    """Compare two vectors entry by entry on every rank; the worst over the ranks."""
-    diff, within, share = judge(got, ref, allowed)
+               tolerated: np.ndarray, ref_error: np.ndarray) -> OperatorCheck:
+    """Compare two vectors entry by entry on every rank, each allowed `tolerated` plus
+    the error `ref_error` of the reference (an entry within that only by an error that
+    is a visible share of the largest reference entry cannot be judged, and fails); the
+    worst over the ranks."""
+    allowed = tolerated + ref_error
+    with np.errstate(invalid="ignore", over="ignore"):
+        inexact = (np.abs(got - ref) > tolerated) & (
+            ref_error > JUDGEABLE * np.max(np.abs(ref), initial=0.0))
+    diff, within, share = judge(got, ref, allowed, inexact)
     k = int(np.argmax(share)) if share.size else -1
     mine = (float(share[k]), float(diff[k]), float(allowed[k]), k) if k >= 0 else (
         0.0, 0.0, 0.0, -1)
@@ -267,7 +277,7 @@ def _batched(comm: Any, pair: str, fn: Callable[[Sequence[Any]], Any],
     with `fn` on each row."""
     together = np.ravel(np.asarray(jax.vmap(lambda *b: fn(b))(*batch)))
     rows = np.concatenate([np.asarray(fn([b[i] for b in batch])) for i in range(2)])
-    return _entrywise(comm, pair, together, rows, atol + rtol * np.abs(rows))
+    return _entrywise(comm, pair, together, rows, atol + rtol * np.abs(rows), np.zeros(rows.shape))
 
 
 def _jflat(values: Sequence[Any]) -> Any:

@@ -24,9 +24,11 @@ from .._mpi.runtime import world
 from .assembly import Blocks, flat_counts, gather_columns, gather_rows
 from .differences import (
     FORMS,
+    JUDGEABLE,
     METHODS,
     Estimate,
     better_step,
+    default_step,
     estimate,
     judge,
     multiples,
@@ -262,21 +264,23 @@ class Evaluations:
     perturbed: Callable[[FDOptions, dict[str, np.ndarray]], dict[str, Any]]
 
 
-def check_options(method: str, form: str, step: float, atol: float,
-                  rtol: float) -> tuple[float, float, float]:
-    """**Returns:** `check_totals`'s `step`, `atol` and `rtol` as floats, checked with
-    its `method` and `form`."""
+def check_options(method: str, form: str, step: float | None, atol: float,
+                  rtol: float) -> tuple[float | None, float, float]:
+    """**Returns:** `check_totals`'s `step` (None: the default, see `default_step`),
+    `atol` and `rtol` as floats, checked with its `method` and `form`."""
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"check_totals(method={method!r}): expected 'fd' (finite "
                          "differences) or 'cs' (complex step).")
     if not isinstance(form, str) or form not in FORMS:
         raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
     for name, value, least in (("step", step, 0), ("atol", atol, None), ("rtol", rtol, None)):
+        if name == "step" and value is None:
+            continue
         if not (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
                 and math.isfinite(value) and (value > 0 if least == 0 else value >= 0)):
             raise ValueError(f"check_totals({name}={value!r}): expected a "
                              f"{'positive' if least == 0 else 'non-negative'} number.")
-    return float(step), float(atol), float(rtol)  # (a Fraction, say)
+    return (None if step is None else float(step)), float(atol), float(rtol)  # (a Fraction)
 
 
 def check_complex_step(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...]) -> None:
@@ -294,7 +298,7 @@ def check_complex_step(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...]
 
 
 def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, ...], *,
-                 method: str, form: str, step: float, atol: float, rtol: float,
+                 method: str, form: str, step: float | None, atol: float, rtol: float,
                  out_stream: Any, raise_on_error: bool, show_only_incorrect: bool,
                  progress: bool = True) -> dict[tuple[str, str], TotalsCheck]:
     """See `Problem.check_totals`: `of`, `wrt` and the options checked already."""
@@ -306,6 +310,10 @@ def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     if not of or not wrt:
         say("check_totals: nothing to check (no floating-point outputs or inputs)")
         return {}
+    if step is None:
+        layout = evaluations.layout
+        step = default_step(method, [layout.outputs[o].dtype for o in of]
+                            + [layout.inputs[w].dtype for w in wrt])
     shown = out_stream if progress and rank == 0 else None
     with _progress.Progress("check_totals", 4, shown) as steps:
         if shown is not None:
@@ -360,8 +368,13 @@ def _compare(J: np.ndarray, fd: Estimate, atol: float, rtol: float,
              inconsistent: list[int]) -> TotalsCheck:
     """Judge every entry of `J` against the estimate `fd` and the error it carries."""
     with np.errstate(invalid="ignore", over="ignore"):  # (inf, NaN: not ok)
-        allowed = atol + rtol * np.abs(fd.value) + fd.error
-    diff, within, share = judge(J, fd.value, allowed)
+        tolerated = atol + rtol * np.abs(fd.value)
+        allowed = tolerated + fd.error
+        # within only by the estimate's own error, where that error is a visible share of
+        # the block: a wrong derivative would pass there, so the entry cannot pass
+        scale = np.max(np.abs(fd.value), initial=0.0)
+        inexact = (np.abs(J - fd.value) > tolerated) & (fd.error > JUDGEABLE * scale)
+    diff, within, share = judge(J, fd.value, allowed, inexact)
     if not diff.size:
         return TotalsCheck(J, fd.value, 0.0, 0.0, True, inconsistent, None, 0.0, fd.error)
     flat = int(np.argmax(share))
@@ -408,9 +421,12 @@ def _say_steps(J_fd: dict[tuple[str, str], Estimate], method: str, form: str, st
                 "take a smaller step.")
             continue
         relative = f"{error / scale:.0e} of its largest entry" if scale else "with no entry"
+        judged = ("entries within their allowance only by that error cannot be judged, "
+                  "and fail" if error > JUDGEABLE * scale else
+                  "each entry is judged with its own")
         line = (f"check_totals: ({o!r}, {w!r}): {what} at step={step:g} carry an error of "
                 f"about {error:.0e} (rounding {rounding:.0e}, truncation {truncation:.0e}), "
-                f"{relative}, more than rtol={rtol:g}; each entry is judged with its own")
+                f"{relative}, more than rtol={rtol:g}; {judged}")
         best = better_step(method, form, step, rounding, truncation, fd.eps, fd.scale)
         say(line + (f". About step={best:.0e} would make it less." if best else "."))
 

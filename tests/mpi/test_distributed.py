@@ -574,3 +574,48 @@ def test_a_forgotten_distributed_declaration_raises_as_the_problem_is_made():
     reduced = distop.Problem(scalar, {"u": block}, distributed={"u"})
     all_close_everywhere(comm, reduced.run()["f"], declared.run()["f"])
 
+
+class ScaledVjp(distop.DistributedOperator):
+    """y = (sum over ranks of A_r) x, its vjp scaled by `factor` (1: right)."""
+
+    A: np.ndarray
+    factor: float = 1.0
+    forward_collectives = vjp_collectives = ("Allreduce",)
+
+    def output_spec(self, x):
+        return jax.ShapeDtypeStruct((self.A.shape[0],), x.dtype)
+
+    def forward(self, comm, x):
+        y = np.empty(self.A.shape[0], x.dtype)
+        comm.Allreduce((self.A @ x).astype(x.dtype), y, op=MPI.SUM)
+        return y
+
+    def vjp(self, comm, y_bar, x):
+        x_bar = np.empty(self.A.shape[1], y_bar.dtype)
+        comm.Allreduce((self.A.T @ y_bar).astype(y_bar.dtype), x_bar, op=MPI.SUM)
+        return x_bar * np.asarray(self.factor, y_bar.dtype)
+
+
+def test_check_totals_fails_a_planted_vjp_bug_in_float32_and_float64_by_default():
+    w = np.array([1.0, -2.0, 0.5])
+    for dtype in (np.float32, np.float64):
+        A = np.random.default_rng([8, rank]).standard_normal((3, 4)).astype(dtype)
+        for factor in (1.0, 1.1, 1.3, 0.7):
+            op = ScaledVjp(A, factor)
+
+            def model(x, op=op):
+                y = op(x)
+                return {"f": jnp.dot(w.astype(x.dtype), y), "g": jnp.sum(y ** 2)}
+
+            problem = distop.Problem(model, {"x": np.linspace(0.0, 1.0, 4).astype(dtype)})
+            results = problem.check_totals(out_stream=None)
+            assert all(r.ok for r in results.values()) == (factor == 1.0), (dtype, factor)
+    # float32 at float64's step: too inexact to judge, so it fails and says which step
+    out = io.StringIO()
+    problem = distop.Problem(lambda x: {"g": jnp.sum(ScaledVjp(A.astype(np.float32))(x) ** 2)},
+                             {"x": np.linspace(0.0, 1.0, 4).astype(np.float32)})
+    results = problem.check_totals(step=1e-6, out_stream=out)
+    assert not results["g", "x"].ok
+    if rank == 0:
+        assert "cannot be judged, and fail" in out.getvalue() and "About step=" in \
+            out.getvalue(), out.getvalue()

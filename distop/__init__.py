@@ -1,6 +1,6 @@
 """distop: differentiable distributed operators for JAX, ordered the same on every rank."""
 
-import importlib.metadata
+import importlib.metadata as _metadata
 
 from . import _compat
 from . import linalg as linalg
@@ -46,9 +46,22 @@ from ._totals.operator_check import check_operator as check_operator
 from ._totals.totals import TotalsCheck as TotalsCheck
 from ._totals.totals import shard as shard
 
+# the public names, re-exported above
+__all__ = [
+    "Allgather", "Allreduce", "AllreduceSum", "Alltoall", "Broadcast",
+    "CollectiveMismatchError", "ConvergenceError", "DerivativeCheckError",
+    "DistopError", "DistributedOperator", "Exscan", "Gather", "HaloExchange",
+    "ImplicitOperator", "Kind", "KindError", "LauncherMismatchError",
+    "MPIUnavailableError", "MissingMethodError", "OperatorCheck", "OperatorError",
+    "OrderedEffectError", "Problem", "Profile", "RankLocal", "Reduce", "Report", "Scan",
+    "Scatter", "ScheduleEntry", "ScheduleMismatchError", "SecondDerivativeError",
+    "Settings", "Split", "TotalsCheck", "check_operator", "configure", "empty",
+    "linalg", "shard", "with_kinds",
+]
+
 try:
-    __version__ = importlib.metadata.version("distop")
-except importlib.metadata.PackageNotFoundError:  # (a source tree on sys.path, not installed)
+    __version__ = _metadata.version("distop")
+except _metadata.PackageNotFoundError:  # (a source tree on sys.path, not installed)
     __version__ = "0+unknown"
 
 # Host calls run fastest on the caller's thread (see _compat.prefer_inline_execution).

@@ -103,30 +103,32 @@ def test_check_totals_says_where_finite_differences_err_more_than_rtol():
     def wrong(x):  # a gradient 1% off: 2.02 x
         return {"y": Wrong(0.01)(x)}
 
-    # float32 at step 1e-6: the rounding of y(x +- h) swamps the difference
+    # float32 at float64's step of 1e-6: the rounding of y(x +- h) swamps the
+    # difference, so the entries cannot be judged: they fail, and the note names a step
     single = distop.Problem(model, {"x": np.ones(3, np.float32)})
     out = io.StringIO()
-    r = single.check_totals(out_stream=out)["y", "x"]
+    r = single.check_totals(out_stream=out, step=1e-6)["y", "x"]
     note = re.search(r"central differences at step=1e-06 carry an error of about (\S+) "
-                     r"\(rounding (\S+), truncation (\S+)\), .* more than rtol=1e-06; each "
-                     r"entry is judged with its own. About step=(\S+) would make it less.",
-                     out.getvalue())
+                     r"\(rounding (\S+), truncation (\S+)\), .* more than rtol=1e-06; "
+                     r"entries within their allowance only by that error cannot be judged, "
+                     r"and fail. About step=(\S+) would make it less.", out.getvalue())
     assert note, out.getvalue()
     assert float(note.group(2)) > 10 * float(note.group(3))  # rounding, not truncation
-    # the check passes, as it must, but could not tell a 1% error: it says so
-    assert r.ok and np.max(r.fd_error) > 0.02 * np.max(np.abs(r.J))
+    assert not r.ok and np.max(r.fd_error) > 0.02 * np.max(np.abs(r.J))
     better = float(note.group(4))
     assert 1e-3 <= better <= 1e-1, better
+    # float32's default step (1e-3) passes the right gradient and fails a 1% error
+    assert single.check_totals(out_stream=None)["y", "x"].ok
     bad = distop.Problem(wrong, {"x": np.ones(3, np.float32)})
-    assert bad.check_totals(out_stream=None)["y", "x"].ok  # (told apart only at a step
-    assert not bad.check_totals(out_stream=None, step=better)["y", "x"].ok  # that can)
+    assert not bad.check_totals(out_stream=None)["y", "x"].ok
+    assert not bad.check_totals(out_stream=None, step=better)["y", "x"].ok
     out = io.StringIO()
     assert single.check_totals(out_stream=out, step=better, rtol=1e-3)["y", "x"].ok
     assert "carry an error" not in out.getvalue(), out.getvalue()
     # a float32 output named as a float64 input is rounded as the output
     same = distop.Problem(lambda x: {"x": jnp.sum(x.astype(jnp.float32) ** 2)},
                           {"x": np.ones(3)})
-    assert np.max(same.check_totals(out_stream=None)["x", "x"].fd_error) > 0.02
+    assert np.max(same.check_totals(out_stream=None, step=1e-6)["x", "x"].fd_error) > 0.02
     # one-sided differences at a large step: the truncation, seen, gives a smaller step
     double = distop.Problem(model, {"x": np.ones(3)})
     out = io.StringIO()

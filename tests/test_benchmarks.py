@@ -70,14 +70,21 @@ def test_watchdog_benchmark_prints_its_table():
     assert all(float(value) > 0 for value in rows["Allreduce(8"][2:4]), proc.stdout
 
 
-def test_loops_benchmark_prints_its_three_tables():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "loops.py"), "--ranks", "2", "--steps", "20",
-         "--repeat", "1", "--sizes", "8", "--first-scan", "20", "--first-python", "20",
-         "--memory", "--memory-ranks", "2", "--memory-steps", "16", "--memory-size", "100"],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+def run_benchmark(script, *options):
+    """**Returns:** the finished run of benchmarks/`script` with `options` (one thread per
+    rank), checked to have exited 0."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *options],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_loops_benchmark_prints_its_three_tables():
+    proc = run_benchmark(
+        "loops.py", "--ranks", "2", "--steps", "20", "--repeat", "1", "--sizes", "8",
+        "--first-scan", "20", "--first-python", "20", "--memory", "--memory-ranks", "2",
+        "--memory-steps", "16", "--memory-size", "100")
     for title in ("20 steps of u = op(u) + 0.01", "first calls on 1 rank",
                   "compute_totals over 16 steps"):
         assert title in proc.stdout, proc.stdout
@@ -88,12 +95,8 @@ def test_loops_benchmark_prints_its_three_tables():
 
 
 def test_stencil_benchmark_prints_its_tables_with_exact_gradients():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "stencil.py"), "--ranks", "2", "--sizes",
-         "12", "--steps", "4", "--split", "2", "4", "--repeat", "1", "--micro-repeat", "1"],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("stencil.py", "--ranks", "2", "--sizes", "12", "--steps", "4",
+                         "--split", "2", "4", "--repeat", "1", "--micro-repeat", "1")
     for title in ("heat equation, 4 steps", "heat equation in a scan, per step",
                   "host calls that do no work"):
         assert title in proc.stdout, proc.stdout

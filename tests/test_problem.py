@@ -1427,7 +1427,8 @@ def test_the_programs_of_the_least_recently_used_shapes_are_let_go(monkeypatch):
 
 
 def test_replicated_values_compare_as_values():
-    from distop._totals.totals import _difference, _digest
+    from distop._totals.replicated import _difference
+    from distop._totals.replicated import digest as _digest
 
     assert _digest(np.array([0.0, np.nan])) == _digest(np.array([-0.0, np.nan]))
     assert _difference(np.array([-0.0, np.nan]), np.array([0.0, np.nan])) is None

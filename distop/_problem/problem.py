@@ -29,6 +29,7 @@ from .._errors import (
 )
 from .._inference.transform import Inference
 from .._totals import assembly as _assembly
+from .._totals import replicated as _replicated
 from .._totals import totals as _totals
 from .arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
 from .execution import Executor
@@ -167,7 +168,7 @@ class Problem:
                 + "\n".join(f"  rank {r}: {names}" for r, names in enumerate(every))
                 + "\nName the same inputs and outputs on every rank.")
         self._coordinator.widen([int(top[0])])
-        _totals.check_replicated_inputs(self.comm, self._coordinator.most, self.distributed,
+        _replicated.check_replicated_inputs(self.comm, self._coordinator.most, self.distributed,
                                         self._point)
         self._fuse = fused
         self.input_names = tuple(self._point)
@@ -283,7 +284,7 @@ class Problem:
             "run", (), self._programs.layout(point, ("run",), refused, may_defer=True,
                                              current=self._point)), point))
         if self.check_replicated:
-            _totals.check_replicated(self.comm, self.distributed, {**point, **outs}, "run")
+            _replicated.check_replicated(self.comm, self.distributed, {**point, **outs}, "run")
         self._point = point
         return outs
 
@@ -401,7 +402,7 @@ class Problem:
         else:
             values, totals = out, {}
         if self.check_replicated:
-            _totals.check_replicated(self.comm, self.distributed, {**point, **values},
+            _replicated.check_replicated(self.comm, self.distributed, {**point, **values},
                                      "run_and_compute_totals")
         self._point = point
         return values, totals

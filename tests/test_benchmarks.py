@@ -97,13 +97,24 @@ def test_loops_benchmark_prints_its_three_tables():
 def test_stencil_benchmark_prints_its_tables_with_exact_gradients():
     proc = run_benchmark("stencil.py", "--ranks", "2", "--sizes", "12", "--steps", "4",
                          "--split", "2", "4", "--repeat", "1", "--micro-repeat", "1")
-    for title in ("heat equation, 4 steps", "heat equation in a scan, per step",
-                  "host calls that do no work"):
-        assert title in proc.stdout, proc.stdout
+    for title in ("heat equation, 4 steps, ", "heat equation in a scan, ",
+                  "host calls that do no work, in a scan, "):
+        # (two cores here: each of the two ranks is bound to one; the titles say so)
+        assert title + "each rank bound to a core" in proc.stdout, proc.stdout
     # distop's values and gradients, scan and Python loop, against the hand-written ones
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.split()[:2] == ["2", "12"] and line.split()[2] in ("scan", "python")]
     assert len(rows) == 2 and all(float(row[-1]) < 1e-12 for row in rows), proc.stdout
+
+
+def test_shapes_benchmark_finds_the_programs_of_shapes_seen_before():
+    proc = run_benchmark("shapes.py", "--ranks", "2", "--shapes", "3", "--rounds", "1")
+    assert "a Problem cycled through 3 shapes" in proc.stdout, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("2 ")]
+    # P, shapes, cache, first, seen, steady, seen/steady, MiB/shape
+    assert len(rows) == 1 and rows[0][:3] == ["2", "3", "64"], proc.stdout
+    first, seen = float(rows[0][3]), float(rows[0][4])
+    assert seen < first / 5, proc.stdout  # (a new shape compiles; one seen before does not)
 
 
 def test_scale_benchmark_counts_one_fixed_size_collective_per_steady_call():

@@ -1410,6 +1410,20 @@ def test_a_dtype_change_of_a_differentiable_input_is_refused_at_the_call():
     np.testing.assert_array_equal(problem.compute_totals()["s", "x"], [[6.0, 12.0, 18.0]])
 
 
+def test_shapes_that_come_back_find_their_programs_kept():
+    # a user's outer loop over more shapes than a handful: every shape's programs are
+    # kept by default, so the second round over them builds nothing
+    problem = distop.Problem(lambda x: {"s": jnp.sum(x ** 3)}, {"x": np.ones(1)})
+    made = []
+    for _ in range(2):
+        for n in range(1, 41):
+            assert problem.run(x=np.ones(n))["s"] == n
+            np.testing.assert_array_equal(problem.compute_totals()["s", "x"],
+                                          np.full((1, n), 3.0))
+        made.append({id(p) for p in problem._programs.programs.values()})
+    assert len(made[0]) == 2 * 40 and made[1] == made[0]
+
+
 def test_the_programs_of_the_least_recently_used_shapes_are_let_go(monkeypatch):
     monkeypatch.setenv("DISTOP_CACHE_SIZE", "2")
     op = Cube(ordered=True)

@@ -10,7 +10,7 @@ import numpy as np
 from .._dtypes import inexact_dtype as inexact
 from .inputs import as_input
 
-CACHE_SIZE = 16  # the input shapes a Problem keeps programs for, by default
+CACHE_SIZE = 64  # the input shapes a Problem keeps programs for, by default
 
 MODES = ("batched", "loop", "unrolled")
 BACKENDS = ("lean", "io_callback")

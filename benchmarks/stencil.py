@@ -1,4 +1,4 @@
-"""python benchmarks/stencil.py [--ranks 1 2 4] [--sizes 96 384] [--steps 50] [--repeat 15]
+"""python benchmarks/stencil.py [--ranks 1 2 4] [--sizes 96 384] [--repeat 15] [--no-bind]
 
 The users' workload: the 2-D heat equation on an n x n grid split by rows, S explicit
 steps, each step `distop.HaloExchange(width=1)` then a 5-point stencil in jax.numpy
@@ -7,6 +7,14 @@ steps, each step `distop.HaloExchange(width=1)` then a 5-point stencil in jax.nu
 `Problem.compute_totals`. One job per rank count and size; every variant runs side by
 side, interleaved call by call (a new order each round, the same on every rank); each
 figure is the max over ranks of each rank's median.
+
+Each rank is bound to a core of its own (the i-th of the cores the job may use, by its
+rank on the machine) where there are as many, as `srun --cpu-bind=cores` and `mpiexec
+-bind-to core` do:
+XLA then runs each rank's program on one thread, as numpy runs the hand-written one.
+`--no-bind` leaves the ranks unbound: every rank's XLA then keeps a pool of threads for
+every core of the machine, and on a crowded machine their wake-ups cost more than the
+work of small blocks. The tables say which was used.
 
 Variants:
 - `scan`: the steps as `lax.scan` in the model; `python`: as a Python loop (unrolled
@@ -64,15 +72,35 @@ def interleaved(comm, variants, repeat):
     return {name: comm.allreduce(statistics.median(t), op=MPI.MAX) for name, t in times.items()}
 
 
-def report(comm, result):
+def bind(comm):
+    """Bind this rank to a core of its own, where the cores it may use are at least as
+    many as the ranks on this machine; call it before JAX starts.
+
+    **Returns:** whether it was bound.
+    """
+    import os
+
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    cores = sorted(os.sched_getaffinity(0))
+    rank, size = local.Get_rank(), local.Get_size()
+    local.Free()
+    if len(cores) < size:
+        return False
+    os.sched_setaffinity(0, {cores[rank]})
+    return True
+
+
+def report(comm, result, args):
     """Print `result` on rank 0 as the suite's workers do: one JSON line, with the
-    versions and the job's time so far."""
+    versions, the job's time so far and whether its ranks were bound to cores."""
     import jax
     from mpi4py import MPI
 
     import distop
 
-    result.update(seconds=time.perf_counter() - STARTED, jax=jax.__version__,
+    result.update(seconds=time.perf_counter() - STARTED, jax=jax.__version__, bound=args.bound,
                   distop=distop.__version__, missing=[],
                   mpi=" ".join(MPI.Get_library_version().splitlines()[0].split()))
     if comm.Get_rank() == 0:
@@ -235,7 +263,7 @@ def heat_worker(args):
                   / float(np.max(np.abs(exact_g))))
     result = interleaved(comm, variants, args.repeat)
     result["err"] = comm.allreduce(err, op=MPI.MAX)
-    report(comm, result)
+    report(comm, result, args)
 
 
 # -- the microbenchmark: host calls that do no work, against the bare FFI call ---------
@@ -325,7 +353,7 @@ def micro_worker(args):
         variants[f"grad {steps}"] = lambda made=made: made.compute_totals("f", "u")
         program = bare.program(steps)
         variants[f"bare {steps}"] = lambda p=program: jax.block_until_ready(p(token, u0))
-    report(comm, interleaved(comm, variants, args.repeat))
+    report(comm, interleaved(comm, variants, args.repeat), args)
 
 
 # -- driver side -----------------------------------------------------------------------
@@ -339,6 +367,8 @@ def jobs(args):
     count and (for `heat`) size; the suite runs the same jobs."""
     common = ["--steps", str(args.steps), "--split", *map(str, args.split),
               "--repeat", str(args.repeat), "--micro-repeat", str(args.micro_repeat)]
+    if not args.bind:
+        common.append("--no-bind")
     found = []
     for section in args.sections:
         for ranks in args.ranks:
@@ -362,12 +392,17 @@ def main(argv=None):
                         choices=["heat", "micro"])
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--no-bind", dest="bind", action="store_false",
+                        help="leave the ranks unbound (see above)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=96, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         if args.worker == "micro":
             args.repeat = args.micro_repeat
+        from mpi4py import MPI
+
+        args.bound = args.bind and bind(MPI.COMM_WORLD)
         return {"heat": heat_worker, "micro": micro_worker}[args.worker](args)
     results, failed = {}, False
     for key, section, ranks, options in jobs(args):
@@ -387,10 +422,20 @@ def main(argv=None):
     return 1 if failed else 0
 
 
+def binding(results):
+    """**Returns:** how the ranks of the jobs in `results` were placed, for the tables'
+    titles."""
+    bound = {r.get("bound") for r in results.values()}
+    return {frozenset({True}): "each rank bound to a core",
+            frozenset({False}): "ranks unbound"}.get(frozenset(bound),
+                                                     "some jobs' ranks bound to cores")
+
+
 def print_tables(results, args):
     """Print the heat equation's tables and the microbenchmark's, from `results` (keyed
     as `jobs` names them)."""
     S, split = args.steps, args.split
+    placed = binding(results)
     rows, steps = [], []
     for key, r in results.items():
         if not key.startswith("heat "):
@@ -413,14 +458,14 @@ def print_tables(results, args):
                       fmt(ratio(grad["scan"], grad["hand"]), "x"),
                       fmt(ratio(rev["scan"], fwd["scan"]), "x")])
     if rows:
-        print_table(f"heat equation, {S} steps: run and gradient (ms), max over ranks of "
+        print_table(f"heat equation, {S} steps, {placed}: run and gradient (ms), max over ranks of "
                     f"the median of {args.repeat} interleaved calls; err: distop against "
                     "hand (values and gradients)",
                     ["P", "n", "model", "hand run", "run", "run/hand", "hand grad", "grad",
                      "grad/hand", "jax run", "jax grad", "err"], rows)
-        print_table(f"heat equation in a scan, per step (us), from {split[0]} and {split[1]} "
-                    "steps: the forward step (run), the reverse step (gradient less "
-                    "forward), and the gradient's step",
+        print_table(f"heat equation in a scan, {placed}, per step (us), from {split[0]} "
+                    f"and {split[1]} steps: the forward step (run), the reverse step "
+                    "(gradient less forward), and the gradient's step",
                     ["P", "n", "hand fwd", "fwd", "fwd-hand", "hand rev", "rev", "rev-hand",
                      "hand grad", "grad", "grad/hand", "rev/fwd"], steps)
     micro = []
@@ -433,7 +478,7 @@ def print_tables(results, args):
         micro.append([ranks, fmt(bare, "us"), fmt(fwd, "us"), fmt(vjp, "us"),
                       fmt(fwd - bare, "us"), fmt(vjp - bare, "us")])
     if micro:
-        print_table(f"host calls that do no work, in a scan, per call (us), from "
+        print_table(f"host calls that do no work, in a scan, {placed}, per call (us), from "
                     f"{split[0]} and {split[1]} calls: the bare FFI call, distop's "
                     "forward and VJP calls, and distop's own work beyond the bare call",
                     ["P", "bare", "forward", "vjp", "own fwd", "own vjp"], micro)

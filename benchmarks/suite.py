@@ -804,7 +804,7 @@ def stencil_settings(args):
     return argparse.Namespace(
         ranks=args.ranks, sizes=args.stencil_sizes, steps=50, split=[25, 100],
         repeat=min(args.repeat, 15), micro_repeat=min(args.repeat, 40),
-        sections=["heat", "micro"], timeout=args.timeout)
+        sections=["heat", "micro"], timeout=args.timeout, bind=True)
 
 
 def stencil_tables(results, args):

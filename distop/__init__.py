@@ -27,6 +27,7 @@ from ._errors import ConvergenceError as ConvergenceError
 from ._errors import DerivativeCheckError as DerivativeCheckError
 from ._errors import DistopError as DistopError
 from ._errors import KindError as KindError
+from ._errors import KindWarning as KindWarning
 from ._errors import LauncherMismatchError as LauncherMismatchError
 from ._errors import MissingMethodError as MissingMethodError
 from ._errors import MPIUnavailableError as MPIUnavailableError
@@ -51,7 +52,7 @@ __all__ = [
     "Allgather", "Allreduce", "AllreduceSum", "Alltoall", "Broadcast",
     "CollectiveMismatchError", "ConvergenceError", "DerivativeCheckError",
     "DistopError", "DistributedOperator", "Exscan", "Gather", "HaloExchange",
-    "ImplicitOperator", "Kind", "KindError", "LauncherMismatchError",
+    "ImplicitOperator", "Kind", "KindError", "KindWarning", "LauncherMismatchError",
     "MPIUnavailableError", "MissingMethodError", "OperatorCheck", "OperatorError",
     "OrderedEffectError", "Problem", "Profile", "RankLocal", "Reduce", "Report", "Scan",
     "Scatter", "ScheduleEntry", "ScheduleMismatchError", "SecondDerivativeError",

@@ -132,9 +132,22 @@ class ConvergenceError(DistopError, RuntimeError):
 
 class KindError(DistopError):
     """The kinds of a model cannot tell whether a replicated value's derivative is the
-    sum of every rank's share.
+    sum of every rank's share, or say that a declaration is missing.
 
-    That is where it meets the output of an operator that declares no `output_kinds`.
+    That is where a replicated value meets the output of an operator that declares no
+    `output_kinds`, or where an operator that combines each rank's own block (such as
+    `AllreduceSum` or `HaloExchange`) is given a value that depends only on inputs
+    taken as replicated: an input left out of `distributed=`, almost always.
     Raised when the model is traced (a Problem's construction), on every rank alike,
-    naming the operator, the jax.numpy operation and the fix.
+    naming the operator, the jax.numpy operation or the inputs, and the fix.
+    """
+
+
+class KindWarning(UserWarning):
+    """JAX differentiates a collective outside `with_kinds` and a Problem.
+
+    There, the derivative of a replicated value that meets each rank's own data is that
+    rank's share only, unless the function passes it through `RankLocal` itself.
+    Warned once per process; `warnings.filterwarnings("ignore",
+    category=distop.KindWarning)` silences it where the derivatives are right already.
     """

@@ -7,7 +7,7 @@ rank; its cotangent is this rank's), *distributed* (each rank holds a block alon
 costs one collective.
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -59,6 +59,7 @@ class AllreduceSum(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "replicated"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     forward_collectives = ("Allreduce",)
     jvp_collectives = ("Allreduce",)
@@ -106,6 +107,7 @@ class Allgather(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "replicated"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     forward_collectives = ("Allgather", "Allgatherv")
     vjp_collectives = ("Allgather",)
@@ -220,6 +222,7 @@ class Alltoall(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     counts: tuple[int, ...] | None = None
     forward_collectives = ("Allgather", "Alltoallv")
@@ -280,6 +283,7 @@ class Broadcast(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "replicated"
+    _blocks_in: ClassVar[bool] = False  # (see `takes_blocks`)
 
     root: int = 0
     forward_collectives = ("Bcast",)

@@ -21,7 +21,7 @@ first.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -146,6 +146,7 @@ class HaloExchange(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     width: int = 1
     boundary: str = "zero"

@@ -6,7 +6,7 @@ across the ranks. The value kinds and cotangent conventions are those of
 `_collectives.py`.
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,12 @@ class Allreduce(DistributedOperator):
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
+
+    @property
+    def _blocks_in(self) -> bool:
+        """A sum or product of copies differs from one copy; their max or min does not
+        (see `takes_blocks`)."""
+        return self.op in ("sum", "prod")
 
     def __check_init__(self) -> None:
         if self.op not in _OPS:
@@ -181,6 +187,7 @@ class Scan(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     forward_collectives = ("Scan",)
     vjp_collectives = ("Scan", "Split")
@@ -226,6 +233,7 @@ class Exscan(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     forward_collectives = ("Exscan",)
     vjp_collectives = ("Exscan", "Split")

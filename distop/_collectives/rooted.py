@@ -7,7 +7,7 @@ ranks give it are ignored. Pass it through `Broadcast(root=...)` to make it repl
 The value kinds and cotangent conventions are those of `_collectives.py`.
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -86,6 +86,7 @@ class Reduce(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     root: int = 0
     forward_collectives = ("Reduce",)
@@ -144,6 +145,7 @@ class Gather(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = True  # (see `takes_blocks`)
 
     root: int = 0
     forward_collectives = ("Allgather", "Gatherv")
@@ -207,6 +209,7 @@ class Scatter(DistributedOperator):
 
     input_kinds = "varying"
     output_kinds = "varying"
+    _blocks_in: ClassVar[bool] = False  # (see `takes_blocks`)
 
     root: int = 0
     counts: tuple[int, ...] | None = None

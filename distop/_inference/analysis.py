@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from .._compat import scan_counts, source_line
 from .._errors import KindError
-from .._operators.kinds import Kind, declared
+from .._operators.kinds import Kind, declared, takes_blocks
 
 # Ordered: a result takes the largest of its operands' kinds. UNKNOWN is the output of
 # an operator that declares no kinds; MIXED such an output combined with a replicated
@@ -64,15 +64,30 @@ _inner_constants: contextvars.ContextVar[dict[int, Info] | None] = contextvars.C
     "distop_inner_constants", default=None)
 
 
+# The operators that combine the ranks' blocks and are given copies of one value that
+# depends on the arguments (see `takes_blocks`), by name, as `analyse_function` collects
+# them.
+_copies: contextvars.ContextVar[dict[str, None] | None] = contextvars.ContextVar(
+    "distop_copies", default=None)
+
+
 def analyse_function(jaxpr: Jaxpr, ins: Sequence[Info], consts: Sequence[Info],
-                     inner: dict[int, Info]) -> tuple[list[Info], Plan]:
+                     inner: dict[int, Info]) -> tuple[list[Info], Plan, list[str]]:
     """`analyse` of a whole function, with the kinds of its bodies' own constants
-    (`inner`: `id` of the constant -> its `Info`; see `inner_constants`)."""
-    token = _inner_constants.set(inner)
+    (`inner`: `id` of the constant -> its `Info`; see `inner_constants`).
+
+    **Returns:** `analyse`'s, and the operators given copies of one value that depends
+    on the arguments where they combine each rank's own block (a replicated value
+    where a distributed one was meant, almost always: a forgotten declaration).
+    """
+    copies: dict[str, None] = {}
+    token, found = _inner_constants.set(inner), _copies.set(copies)
     try:
-        return analyse(jaxpr, ins, consts)
+        outs, plan = analyse(jaxpr, ins, consts)
     finally:
         _inner_constants.reset(token)
+        _copies.reset(found)
+    return outs, plan, list(copies)
 
 
 def inner_constants(jaxpr: Jaxpr) -> list[Any]:
@@ -182,6 +197,10 @@ def _operator_call(eqn: JaxprEqn, infos: list[Info], live: list[bool],
             raise KindError(_undecided(info.source, eqn))
     places = tuple(i for i, (want, info, lv) in enumerate(zip(wants, infos, live))
                    if want is Kind.VARYING and lv and info.kind == REPLICATED)
+    copies = _copies.get()
+    if copies is not None and infos and all(i.kind == REPLICATED for i in infos) \
+            and any(i.live for i in infos) and takes_blocks(op):
+        copies[type(op).__name__] = None
     gives = declared(op, "output", len(eqn.outvars))
     outs = [Info(UNKNOWN, lively, (type(op).__name__, "")) if kind is None else
             Info(VARYING if kind is Kind.VARYING else REPLICATED, lively) for kind in gives]

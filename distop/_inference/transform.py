@@ -20,9 +20,10 @@ import numpy as np
 from .._agreement import comm as _comm
 from .._agreement.coordinator import stable_hash
 from .._collectives.basic import AllreduceSum
-from .._errors import DistopError
+from .._errors import DistopError, KindError
 from .._hostcalls import ffi as _ffi
 from .._hostcalls.ffi import anywhere
+from .._operators.kinds import inferring
 from .analysis import REPLICATED, VARYING, Info, analyse_function, inner_constants
 from .emit import emit
 
@@ -97,7 +98,7 @@ class Inference:
     """
 
     def __init__(self, comm: Any, distributed: Any, compare_at_trace: bool) -> None:
-        self.comm = _comm.private(comm)
+        self.comm = _comm.internal(comm)
         names = [distributed] if isinstance(distributed, (str, int)) else list(distributed)
         self.distributed = frozenset(names)
         self.compare_at_trace = compare_at_trace
@@ -105,6 +106,10 @@ class Inference:
         self.kinds: dict[int, int] = {}  # a constant's hash -> its kind, as agreed
         self.pending: list[int] = []  # hashes not compared yet (see `compare_constants`)
         self.output_kinds: Any = None  # the last trace's outputs, each leaf its kind
+        # the last trace's jaxpr, the kinds of its arguments and the hashes of its
+        # constants (those of the closed jaxpr, then those inside it): see `copies`
+        self._last: tuple[Any, list[Info], list[int | None], list[Any]] | None = None
+        self._replicated_names: list[str] = []  # the last trace's replicated arguments
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """**Returns:** `fn`, traced through this inference."""
@@ -115,9 +120,17 @@ class Inference:
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Call `fn`, with `vary` where its kinds say."""
-        self.output_kinds = None
-        if self.comm.Get_size() == 1:  # (a sum over one rank is the identity)
-            return fn(*args, **kwargs)
+        self.output_kinds, self._last = None, None
+        token = inferring.set(True)
+        try:
+            if self.comm.Get_size() == 1:  # (a sum over one rank is the identity)
+                return fn(*args, **kwargs)
+            return self._call(fn, args, kwargs)
+        finally:
+            inferring.reset(token)
+
+    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """`call` with several ranks."""
         leaves, tree = jax.tree.flatten((args, kwargs))
         kinds = jax.tree.leaves(self._argument_kinds(fn, args, kwargs))
         out_tree: list[Any] = []
@@ -140,11 +153,16 @@ class Inference:
                     "functools.partial.") from err
             return fn(*args, **kwargs)  # (a Problem: the model's own trace raises)
         inner = inner_constants(closed.jaxpr)
-        infos = self._constant_kinds([*closed.consts, *inner])
+        hashes = [None if isinstance(c, jax.core.Tracer) else _content_hash(c)
+                  for c in [*closed.consts, *inner]]
         ins = [Info(kind, True) for kind in kinds]
-        outs, plan = analyse_function(closed.jaxpr, ins, infos[:len(closed.consts)],
-                                      {id(c): i for c, i in zip(inner,
-                                                                infos[len(closed.consts):])})
+        self._last = (closed, ins, hashes, inner)
+        self._replicated_names = self._replicated_arguments(fn, args, kwargs)
+        outs, plan, copies = self._analyse(self._constant_kinds(hashes))
+        if copies and self.compare_at_trace:  # (with_kinds: the constants are compared)
+            raise KindError(self.copies_message(
+                f"with_kinds({getattr(fn, '__name__', 'fn')})", copies, "arguments",
+                "with_kinds(..., distributed=...)"))
         # (host code of the model's own may reduce values itself: their kinds are not known)
         opaque = anywhere(closed.jaxpr.eqns, lambda e: e.primitive.name in _HOST_CODE)
         self.output_kinds = None if opaque else jax.tree.unflatten(
@@ -153,6 +171,34 @@ class Inference:
             return fn(*args, **kwargs)
         outs = emit(closed.jaxpr, closed.consts, leaves, plan, self.total)
         return jax.tree.unflatten(out_tree[0], outs)
+
+    def _analyse(self, infos: list[Info]) -> tuple[list[Info], Any, list[str]]:
+        """`analyse_function` of the last trace, with its constants' `infos`."""
+        assert self._last is not None
+        closed, ins, _, inner = self._last
+        n = len(closed.consts)
+        return analyse_function(closed.jaxpr, ins, infos[:n],
+                                {id(c): i for c, i in zip(inner, infos[n:])})
+
+    def copies(self) -> list[str]:
+        """**Returns:** the operators of the last traced model that combine each rank's
+        own block and are given copies of one value that depends on its inputs (see
+        `analyse_function`), with the constants' kinds as compared now."""
+        if self._last is None:
+            return []
+        return self._analyse(self._constant_kinds(self._last[2]))[2]
+
+    def copies_message(self, where: str, copies: list[str], what: str, fix: str) -> str:
+        """**Returns:** the error of `copies` (see `copies`) for `where`, whose inputs
+        are its `what`, declared by `fix`."""
+        names = ", ".join(self._replicated_names) or "none"
+        return (f"{where}: {', '.join(copies)} combines each rank's own block, and is given "
+                f"a value that is the same on every rank: it depends only on {what} "
+                f"taken as replicated ({names}) and constants equal on every rank. Copies "
+                "of one value give a wrong result there (a sum of P copies, or a rank's "
+                f"own rows as its neighbours'). If one of those {what} holds each rank's "
+                f"own block or data, name it in {fix}; if the copies are meant, pass the "
+                "value through distop.RankLocal() first.")
 
     def varying_outputs(self) -> list[str]:
         """**Returns:** the names of the last traced model's outputs (a dict) that vary
@@ -185,12 +231,23 @@ class Inference:
                        for i, a in enumerate(args))
         return marked, {k: kind(v, k in self.distributed) for k, v in kwargs.items()}
 
-    def _constant_kinds(self, consts: list[Any]) -> list[Info]:
-        """**Returns:** the `Info` of each constant: varying where its value differs
+    def _replicated_arguments(self, fn: Callable[..., Any], args: tuple,
+                              kwargs: dict) -> list[str]:
+        """**Returns:** the names of the arguments taken as replicated (positions where
+        `fn` has no signature to read)."""
+        try:
+            bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+        except (TypeError, ValueError):
+            bound = {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+        params = list(bound)
+        return [k for i, k in enumerate(params)
+                if k not in self.distributed and i not in self.distributed]
+
+    def _constant_kinds(self, hashes: list[int | None]) -> list[Info]:
+        """**Returns:** the `Info` of each constant, by its hash (None: a value of an
+        enclosing trace, which counts as replicated): varying where its value differs
         between ranks (compared now, or at `compare_constants`, as `compare_at_trace`
-        says); a value of an enclosing trace counts as replicated."""
-        hashes = [None if isinstance(c, jax.core.Tracer) else _content_hash(c)
-                  for c in consts]
+        says)."""
         if self.compare_at_trace:
             known = [h for h in hashes if h is not None]
             kinds = dict(zip(known, kinds_by_hash(self.comm, known, strict=True)))

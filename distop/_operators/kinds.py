@@ -7,6 +7,7 @@ meets varying data on its way to a result, each rank's cotangent of it is that r
 share only; `vary` marks that place, and its transpose adds the shares up.
 """
 
+import contextvars
 import enum
 from typing import Any
 
@@ -55,6 +56,36 @@ def declared(op: Any, which: str, count: int) -> tuple[Kind | None, ...]:
     except ValueError as err:
         raise TypeError(f"{type(op).__name__}.{which}_kinds = {found!r}: each kind is "
                         "'replicated', 'varying' or None.") from err
+
+
+def takes_blocks(op: Any) -> bool:
+    """Whether `op` combines the ranks' own blocks, so that copies of one value on every
+    rank give another result than one copy would (a sum of P copies, a halo of a rank's
+    own rows).
+
+    A built-in collective says so in its `_blocks_in`; an operator of the user's does
+    where it declares every input varying and every output replicated and its forward
+    communicates (a reduction over the ranks).
+    """
+    found = getattr(op, "_blocks_in", None)
+    if found is not None:
+        return bool(found)
+    inputs = getattr(type(op), "input_kinds", None)
+    outputs = getattr(type(op), "output_kinds", None)
+
+    def every(kinds: Any, kind: Kind) -> bool:
+        many = kinds if isinstance(kinds, (tuple, list)) else (kinds,)
+        return all(k is not None and Kind(k) is kind for k in many)
+
+    return (inputs is not None and outputs is not None and every(inputs, Kind.VARYING)
+            and every(outputs, Kind.REPLICATED)
+            and bool(getattr(op, "forward_collectives", ())))
+
+
+# Whether the function traced now goes through kind inference (`with_kinds`, or a
+# Problem's model): differentiating a collective outside it warns once (see `primitive`).
+inferring: contextvars.ContextVar[bool] = contextvars.ContextVar("distop_inferring",
+                                                                 default=False)
 
 
 # -- vary ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ _hostcalls/ffi.py) carries no effect: its first operand and first result are the
 that orders it. Each rule is registered right after its definition.
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from .._agreement import comm as _comm
 from .._compat import (
     ORDERED_IO_EFFECT,
     STRUCTURED_RESIDUALS,
@@ -32,9 +34,10 @@ from .._compat import (
     primitive_linearizations,
 )
 from .._dtypes import inexact_spec
-from .._errors import DistopError, MissingMethodError, SecondDerivativeError
+from .._errors import DistopError, KindWarning, MissingMethodError, SecondDerivativeError
 from .._hostcalls import ffi as _ffi
 from .._hostcalls.host import HostCall
+from .kinds import Kind, declared, inferring
 from .refusals import install as install_refusals
 from .second_derivative import refused
 
@@ -216,12 +219,44 @@ def _tangents_out(call: HostCall, token: Any, inputs: Sequence[Any],
     return [ad.Zero(_token_aval().to_tangent_aval())] + out if call.lean else out
 
 
+_warned_outside_kinds = False  # (warned once per process)
+
+
+def _warn_outside_kinds(call: HostCall, nonzero: Sequence[bool]) -> None:
+    """Warn, once per process, where JAX differentiates an operator with an input
+    declared varying outside kind inference (`with_kinds`, a Problem) with several
+    ranks: a replicated value's derivative there is each rank's share only.
+
+    **Arguments:**
+    - `call`: the forward call differentiated.
+    - `nonzero`: per input of the call, whether its tangent is not zero.
+    """
+    global _warned_outside_kinds
+    if _warned_outside_kinds or inferring.get():
+        return
+    wants = declared(call.op, "input", len(nonzero))
+    if not any(w is Kind.VARYING and n for w, n in zip(wants, nonzero)) \
+            or _comm.private(call.op.comm).Get_size() == 1:
+        return
+    _warned_outside_kinds = True
+    name = type(call.op).__name__
+    warnings.warn(
+        f"{name}: JAX differentiates it outside distop.with_kinds and a Problem. There, "
+        "the derivative of a value that is the same on every rank (a parameter) where it "
+        "meets each rank's own data is that rank's share only, not the sum over the "
+        "ranks. Wrap the function: jax.grad(distop.with_kinds(loss, distributed=...)), "
+        "or make a Problem of it. Where the function passes such values through "
+        "distop.RankLocal() itself, silence this with warnings.filterwarnings('ignore', "
+        "category=distop.KindWarning).", KindWarning, stacklevel=2)
+
+
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
          call: HostCall) -> tuple[list[Any], list[Any]]:
     if call.phase != "forward":
         return _jvp_of_derivative(primals, tangents, call)
     if call.lean:  # the token has no tangent
         token, primals, tangents = primals[0], primals[1:], tangents[1:]
+    _warn_outside_kinds(call, [type(t) is not ad.Zero for t in tangents])
     outs = host_call_p.bind(*([token] if call.lean else []), *primals, call=call)
     return outs, _tangents_out(call, outs[0] if call.lean else None, primals, tangents)
 
@@ -237,6 +272,7 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any,
     spent tracing a reverse sweep over thousands of calls.)"""
     if call.phase != "forward":
         return fallback_linearize_rule(host_call_p, is_vjp, nonzeros, *primals, call=call)
+    _warn_outside_kinds(call, nonzeros[1:] if call.lean else nonzeros)
     outs = host_call_p.bind(*primals, call=call)
     # what the jvp call reads: (lean) the token after the call, and the inputs
     residuals = (outs[0], *primals[1:]) if call.lean else primals

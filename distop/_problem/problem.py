@@ -140,7 +140,7 @@ class Problem:
                  comm: Any = None, distributed: str | Iterable[str] = (),
                  check_replicated: bool = False, backend: str | None = None,
                  fuse: bool | None = None, copy: bool | None = True) -> None:
-        self.comm = _comm.private(comm)
+        self.comm = _comm.internal(comm)  # (distop's own messages: no method's)
         self._model = model
         self.distributed = frozenset([distributed] if isinstance(distributed, str)
                                      else distributed)
@@ -188,8 +188,8 @@ class Problem:
                              f"output named {sorted(unknown)}; inputs are "
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
         self._coordinator.collective_step(
-            "Problem: checking the outputs' kinds",
-            lambda: _check_output_kinds(inference.varying_outputs(), self.distributed))
+            "Problem: checking the kinds of its values",
+            lambda: _check_kinds(inference, self.distributed))
         schedule = None
         differentiable = layout.differentiable
         if differentiable["outputs"] and differentiable["inputs"]:
@@ -197,12 +197,13 @@ class Problem:
                 schedule = self._programs.program(
                     "compute_totals", TotalsOptions("batched", differentiable["outputs"],
                                                     differentiable["inputs"]),
-                    layout).schedule
+                    layout, caller="Problem(...)").schedule
             except Exception as err:  # left for later or raised, on every rank
                 if not self._coordinator.go_on_without(_failure(err)):
                     raise
         if schedule is None:  # (or nothing to differentiate)
-            schedule = self._programs.program("run", (), layout).schedule
+            schedule = self._programs.program("run", (), layout,
+                                              caller="Problem(...)").schedule
         self._schedule: tuple[ScheduleEntry, ...] = schedule
 
     # -- configuration, fixed at construction ---------------------------------------
@@ -509,6 +510,17 @@ class Problem:
             columns = sum(layout.global_size(w) for w in wrt)
             direction = "fwd" if columns < rows else "rev"
         return layout, of, wrt, direction
+
+
+def _check_kinds(inference: Inference, distributed: frozenset[str]) -> None:
+    """Raise `KindError` where the traced model gives an operator that combines each
+    rank's own block copies of one value (an input left out of `distributed=`, almost
+    always), or where an output varies between ranks but is not declared distributed."""
+    copies = inference.copies()
+    if copies:
+        raise KindError(inference.copies_message("Problem", copies, "inputs",
+                                                 "Problem(distributed=...)"))
+    _check_output_kinds(inference.varying_outputs(), distributed)
 
 
 def _check_output_kinds(varying: list[str], distributed: frozenset[str]) -> None:

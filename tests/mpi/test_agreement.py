@@ -64,6 +64,8 @@ def test_model_branching_on_rank_is_a_schedule_mismatch():
             assert line.startswith(f"  rank {r}: {entries} entries; entry 1: "
                                    f"DistributedMatvec.{phase} "), text
         assert "branches on the rank" in text, text
+        # (named as what the user called, not as the program built for its schedule)
+        assert text.startswith("Problem(...): the ranks compiled different"), text
     else:
         raise AssertionError("no ScheduleMismatchError")
     try:  # the last rank skips the operator: the others' entry is what it lacks
@@ -112,7 +114,8 @@ def test_a_model_only_some_ranks_cannot_differentiate_runs_everywhere():
             y = x * 8.0
         return {"f": distop.AllreduceSum()(jnp.sum(y))}
 
-    problem = distop.Problem(model, {"x": np.ones(2)})  # made on every rank
+    # made on every rank
+    problem = distop.Problem(model, {"x": np.ones(2)}, distributed={"x"})
     assert problem.run()["f"] == 16.0 * size
     try:
         problem.compute_totals()
@@ -399,7 +402,8 @@ def test_problems_with_other_numbers_of_distributed_inputs_called_on_different_r
     blocks = distop.Problem(
         lambda x, y: {"f": distop.AllreduceSum()(jnp.sum(x) + jnp.sum(y))},
         {"x": np.ones(1 + rank), "y": np.ones(2)}, distributed=["x", "y"])
-    plain = distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(x))},
+    # (copies summed on purpose: through RankLocal, which declares them rank-local)
+    plain = distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(distop.RankLocal()(x)))},
                            {"x": np.ones(3)})
     expected = blocks.run()["f"], plain.run()["f"]
     for _ in range(2):  # the second time, both requests made before on every rank
@@ -439,10 +443,11 @@ def test_problems_with_other_numbers_of_distributed_inputs_called_on_different_r
 
 def test_two_problems_called_on_different_ranks_raise_everywhere():
     # the same operator class, collectives and shapes: only which Problem tells them apart
+    total, local = distop.AllreduceSum(), distop.RankLocal()  # (copies summed)
     for backend in ("lean", "io_callback"):
-        p = distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(x) ** 2)},
+        p = distop.Problem(lambda x: {"f": jnp.sum(total(local(x)) ** 2)},
                            {"x": np.ones(3)}, backend=backend)
-        q = distop.Problem(lambda x: {"f": jnp.sum(distop.AllreduceSum()(10.0 * x))},
+        q = distop.Problem(lambda x: {"f": jnp.sum(total(local(10.0 * x)))},
                            {"x": np.ones(3)}, backend=backend)
         for call in (lambda pr: pr.run(), lambda pr: pr.compute_totals()):
             try:
@@ -584,7 +589,7 @@ def test_a_communicator_made_after_one_is_freed_gets_its_own_duplicate():
     alone.Free()
     every = comm.Dup()
     problem = distop.Problem(lambda x: {"s": distop.AllreduceSum()(jnp.sum(x))},
-                             {"x": np.ones(2)}, comm=every)
+                             {"x": np.ones(2)}, comm=every, distributed=["x"])
     assert problem.comm.Get_size() == comm.Get_size()
     assert problem.run()["s"] == 2.0 * comm.Get_size()
     every.Free()

@@ -6,6 +6,7 @@ import io
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import (
     BLOCKS,
     ROWS,
@@ -21,6 +22,9 @@ from mpi4py import MPI
 
 import distop
 
+# (the built-ins are differentiated in plain JAX here on purpose, their kinds handled by
+# the cases themselves: `RankLocal` where rank-dependent code takes a replicated value)
+pytestmark = pytest.mark.filterwarnings("ignore::distop.KindWarning")
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size
 

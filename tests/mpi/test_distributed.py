@@ -560,6 +560,11 @@ def test_a_forgotten_distributed_declaration_raises_as_the_problem_is_made():
         # a distributed input left out of distributed=
         raises(distop.DistopError, "'u': rank 1 differs from rank 0",
                lambda: distop.Problem(scalar, {"u": block}))
+        # ... at an initial point the same everywhere, which no comparison can see: the
+        # halo exchange is given copies of one value
+        raises(distop.KindError, "HaloExchange combines each rank's own block, and is "
+               "given a value that is the same on every rank: it depends only on inputs "
+               "taken as replicated (u)", lambda: distop.Problem(scalar, {"u": np.zeros(4)}))
         # a distributed output left out of distributed=
         raises(distop.KindError, "outputs ['v'] vary between ranks",
                lambda: distop.Problem(lambda u: {"v": stencil(u)}, {"u": block},

@@ -3,6 +3,7 @@ the ranks where it meets varying data, with no RankLocal, in a Problem and throu
 `with_kinds` in plain JAX; inside scan, cond, vmap and checkpoint bodies."""
 
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,50 @@ def test_the_data_parallel_gradient_is_the_sum_over_ranks_in_plain_jax():
 
     grad = jax.jit(jax.grad(distop.with_kinds(loss)))(jnp.ones(3))
     all_close_everywhere(comm, grad, X_SUM)
-    if size > 1:  # (without the transform each rank gets its own share)
-        np.testing.assert_allclose(jax.jit(jax.grad(loss))(jnp.ones(3)), X_LOCAL)
+    if size > 1:  # (without the transform each rank gets its own share, and a warning)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", distop.KindWarning)
+            np.testing.assert_allclose(jax.jit(jax.grad(loss))(jnp.ones(3)), X_LOCAL)
+
+
+def test_plain_jax_differentiating_a_collective_warns_once(monkeypatch):
+    from distop._operators import primitive
+
+    monkeypatch.setattr(primitive, "_warned_outside_kinds", False)
+
+    def loss(w):
+        return total(jnp.sum(w * X_LOCAL))
+
+    jax.grad(distop.with_kinds(loss))(jnp.ones(3))  # (inside with_kinds: no warning)
+    distop.Problem(lambda w: {"f": loss(w)}, {"w": np.ones(3)}).compute_totals()  # (nor here)
+    if size == 1:  # (a sum over one rank: nothing to warn of)
+        jax.grad(loss)(jnp.ones(3))
+        return
+    with pytest.warns(distop.KindWarning, match=r"AllreduceSum: JAX differentiates it "
+                      r"outside distop.with_kinds and a Problem.*category=distop.KindWarning"):
+        jax.grad(loss)(jnp.ones(3))
+    jax.grad(loss)(jnp.ones(3))  # (once per process: warnings are errors here)
+
+
+def test_with_kinds_refuses_data_taken_as_replicated_that_reach_a_sum():
+    X = np.random.default_rng(rank).standard_normal((5 + rank, 3))  # uneven, per rank
+    y = np.linspace(0.0, 1.0, 5 + rank)
+
+    def loss(w, X, y):
+        return total(jnp.sum((X @ w - y) ** 2))
+
+    w = jnp.array([0.5, -1.0, 2.0])
+    if size > 1:
+        with pytest.raises(distop.KindError, match=r"with_kinds\(loss\): AllreduceSum combines "
+                           r"each rank's own block.*arguments taken as replicated \(w, X, "
+                           r"y\).*name it in with_kinds\(\.\.\., distributed=\.\.\.\)"):
+            jax.jit(jax.grad(distop.with_kinds(loss)))(w, X, y)
+    grad = jax.jit(jax.grad(distop.with_kinds(loss, distributed=("X", "y"))))(w, X, y)
+    full_X, full_y = np.concatenate(comm.allgather(X)), np.concatenate(comm.allgather(y))
+    all_close_everywhere(comm, grad, jax.grad(lambda w: jnp.sum((full_X @ w - full_y) ** 2))(w))
+    # copies summed on purpose: through RankLocal, as the error says
+    counted = distop.with_kinds(lambda w: total(distop.RankLocal()(jnp.sum(w))))(w)
+    all_close_everywhere(comm, counted, size * 1.5)
 
 
 def test_a_training_step_with_value_and_grad_and_a_distributed_argument():

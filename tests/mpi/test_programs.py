@@ -65,7 +65,9 @@ def test_replicated_values_are_compared_as_values_and_differences_name_rank_and_
 
 def test_a_dtype_change_of_a_differentiable_input_is_refused_on_every_rank():
     op = distop.AllreduceSum()
-    problem = distop.Problem(lambda x: {"s": op(jnp.sum(x * x))}, {"x": np.ones(3)})
+    # (copies summed on purpose: through RankLocal)
+    problem = distop.Problem(lambda x: {"s": op(distop.RankLocal()(jnp.sum(x * x)))},
+                             {"x": np.ones(3)})
     x = np.arange(3) if rank == size - 1 else np.arange(3.0)
     try:
         problem.run(x=x)
@@ -187,8 +189,8 @@ def test_what_distop_keeps_per_communicator_goes_with_it():
     assert wide.run()["s"] == sum(3 + r for r in range(size))
     first.Free()
     second = comm.Dup()
-    narrow = distop.Problem(lambda x: {"s": distop.AllreduceSum()(jnp.sum(x))},
-                            {"x": np.ones(2)}, comm=second)
+    narrow = distop.Problem(lambda x: {"s": distop.AllreduceSum()(distop.RankLocal()(
+        jnp.sum(x)))}, {"x": np.ones(2)}, comm=second)
     assert _coordinator._widths[narrow.comm] == 2 and narrow._coordinator.serial == 0
     assert narrow.run()["s"] == 2.0 * size
     second.Free()

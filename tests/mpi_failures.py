@@ -52,6 +52,18 @@ class Undeclared(distop.DistributedOperator):
         return out
 
 
+class Stray(distop.DistributedOperator):
+    """y = 2 x, whose forward makes an Allreduce (declared) on rank 0 only."""
+
+    forward_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        y = 2 * x
+        if comm.Get_rank() == 0:
+            comm.Allreduce(MPI.IN_PLACE, y, op=MPI.SUM)
+        return y
+
+
 def main(scenario):
     x = np.ones(3)
     if scenario in ("forward_raises", "vjp_raises"):
@@ -103,6 +115,13 @@ def main(scenario):
                                  {"b": x}, distributed=["b"])
         problem.run()
         problem.compute_totals()
+    elif scenario == "stray_collective":  # (its partner could only be distop's own)
+        block = np.ones(2 + comm.rank)  # uneven blocks
+        problem = distop.Problem(lambda x: {"y": Stray()(x)}, {"x": block},
+                                 distributed=["x", "y"])
+        for _ in range(3):
+            y = problem.run()["y"]
+            assert np.array_equal(y, 2 * block), f"rank {comm.rank}: a wrong value {y}"
     elif scenario == "undeclared_collective":
         problem = distop.Problem(lambda x: {"f": jnp.sum(Undeclared()(x))}, {"x": x})
         problem.run()

@@ -29,12 +29,17 @@ SCENARIOS = [  # (scenario, checking mode, text that must appear, with {bad} the
     ("forward_raises", False, "Flaky.forward on rank {bad}: raised RuntimeError"),
     ("vjp_raises", False, "Flaky.vjp on rank {bad}: raised RuntimeError"),
     ("forward_raises", True, "Rank {bad} is running step #1: failed Flaky.forward"),
+    ("vjp_raises", True, "Cause: rank {bad} failed in Flaky.vjp: its error, raised there"),
     ("rank_skips_operator", False, "of {n} has waited"),
     ("rank_skips_operator", True, "Rank {bad} is running step #1: end of program"),
     ("while_trip_count_differs", False, "of {n} has waited"),
     ("while_trip_count_differs", True, "end of program"),
     ("rank_exits_early", False, "of {n} has waited"),
     ("rank_exits_early", True, "the checking mode is on, and that rank answers no check"),
+    # a declared collective on one rank only meets no collective of distop's own: no
+    # value comes back wrong, and the watchdog (or the checking mode) names the method
+    ("stray_collective", False, "rank 0: waiting in Stray.forward, collective Allreduce"),
+    ("stray_collective", True, "Rank 0 is running collective #1: Allreduce in Stray.forward"),
     ("undeclared_collective", True, "issued ['Barrier'], not declared"),
     ("undeclared_collective", False, "issued ['Barrier'], not declared"),
     ("undeclared_point_to_point", False, "issued ['Sendrecv'], not declared in "
@@ -172,6 +177,25 @@ def test_a_failing_rank_tells_the_relay_only_which_passes_on_the_news(monkeypatc
 @pytest.mark.mpi
 @pytest.mark.long
 @pytest.mark.timeout(SUITE_TIMEOUT)
+class _Truncated(distop.DistributedOperator):
+    """An operator whose forward meets MPI's error of collectives that do not match."""
+
+    forward_collectives = ("Allreduce",)
+
+    def forward(self, comm, x):
+        from mpi4py import MPI
+
+        raise MPI.Exception(MPI.ERR_TRUNCATE)
+
+
+def test_an_mpi_error_in_a_method_names_the_operator_and_the_checking_mode():
+    problem = distop.Problem(lambda x: {"y": _Truncated()(x)}, {"x": np.ones(2)})
+    with pytest.raises(distop.OperatorError, match=r"_Truncated.forward on rank 0: raised "
+                       r"Exception: .*truncat.*An MPI error inside a method: .*collectives "
+                       r"did not match.*DISTOP_CHECK_COLLECTIVES=1"):
+        problem.run()
+
+
 def test_checking_mode_passes_correct_programs():
     run_tests(2, *CORE, "test_distributed.py", env={"DISTOP_CHECK_COLLECTIVES": "1"})
 

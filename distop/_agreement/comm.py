@@ -34,10 +34,11 @@ class _Duplicate:
     the values distop keeps for it (`PerCommunicator`), which go with it when it is
     freed."""
 
-    __slots__ = ("channel", "checker", "comm", "freed", "reversed", "values")
+    __slots__ = ("channel", "checker", "comm", "freed", "internal", "reversed", "values")
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
+        self.internal: Any = None  # distop's own duplicate of it (see `internal`)
         self.checker: Checker | None = None
         self.reversed: Any = None  # its ranks in reverse order (see `reversed_ranks`)
         self.channel: Any = None  # the watchdog's channel among its ranks
@@ -90,6 +91,36 @@ def private(comm: Any) -> Any:
     return dup
 
 
+def internal(comm: Any) -> Any:
+    """The communicator of distop's own messages among `comm`'s ranks: a further
+    duplicate of its private one, made once, which no method ever receives.
+
+    A Problem's agreement, its checks and its gathers run on it, so that a collective a
+    method makes on one rank only can never meet distop's own (the ranks then wait in
+    different places, and the watchdog says where). It is a private duplicate in its own
+    right (its values, checker and freeing as `private`'s), freed with `comm`'s.
+    Collective at first use, as `private`.
+
+    **Arguments:**
+    - `comm`: an `mpi4py` communicator, or None for `MPI.COMM_WORLD`.
+
+    **Returns:** the internal duplicate.
+    """
+    dup = private(comm)
+    if isinstance(dup, SingleProcess):
+        return dup
+    with _lock:
+        made = _record(dup)
+        if made.internal is None:
+            with watchdog.watch("Problem: duplicating the communicator for distop"):
+                inner = dup.Dup()
+            record = _live[id(inner)] = _Duplicate(inner)
+            inner.Set_attr(_key(), record)
+            attach(inner)
+            made.internal = inner
+        return made.internal
+
+
 def checker(comm: Any) -> Checker:
     """The checking mode's `Checker` of a private communicator.
 
@@ -133,7 +164,7 @@ def live_duplicates() -> int:
     ranks (the runtime's own, made once, is not counted)."""
     with _lock:
         return sum(1 + (d.checker is not None) + (d.channel is not None)
-                   + (d.reversed is not None) for d in _live.values())
+                   + (d.reversed is not None) for d in _live.values())  # (internal: its own)
 
 
 class PerCommunicator:
@@ -215,6 +246,8 @@ def _forget(made: _Duplicate) -> None:
         made.checker.comm.Free()
     if made.reversed is not None and not _finalizing:
         made.reversed.Free()
+    if made.internal is not None and not _finalizing:
+        made.internal.Free()  # (its own record goes with it: see `_deleted`)
     if made.channel is not None and not _finalizing:
         watchdog.detach(made.channel)
 

@@ -227,7 +227,8 @@ class Programs:
         return Layout(inputs, outputs, counts)
 
     def program(self, name: str, options: Options, layout: Layout,
-                make_extra: Callable[[], tuple[Any, ...]] = tuple) -> Program:
+                make_extra: Callable[[], tuple[Any, ...]] = tuple,
+                caller: str | None = None) -> Program:
         """The jitted program of an entry point for `layout`, traced, checked and agreed
         by every rank the first time it is needed.
 
@@ -236,18 +237,23 @@ class Programs:
         - `layout`: the `Layout` of the point.
         - `make_extra`: builds the arguments after the point (default none; the seeds
           for `compute_totals`).
+        - `caller`: what the user called, for messages, where not the entry point
+          (`Problem(...)`, which builds a program for its schedule).
         """
         key = (name, options, id(layout))
         found = self.programs.get(key)
         if found is None:
             self.coordinator.before_building()  # (building one communicates)
             with collector_paused():
-                found = self._new_program(key, name, options, layout, make_extra)
+                found = self._new_program(key, name, options, layout, make_extra,
+                                          caller or name)
         return found
 
     def _new_program(self, key: tuple[str, Options, int], name: str, options: Options,
-                     layout: Layout, make_extra: Callable[[], tuple[Any, ...]]) -> Program:
-        """Trace, rewrite and agree on a program not built before (see `program`)."""
+                     layout: Layout, make_extra: Callable[[], tuple[Any, ...]],
+                     caller: str) -> Program:
+        """Trace, rewrite and agree on a program not built before (see `program`;
+        `caller` names it in messages)."""
         if isinstance(options, TotalsOptions):  # (compute_totals)
             rank = self.comm.Get_rank()
 
@@ -286,7 +292,7 @@ class Programs:
             fn, outputs, jaxpr, traced = self.trace(name, options, layout, specs,
                                                      False)
         with _watchdog.watchdog.watch(f"Problem: agreeing on the {name} schedule"):
-            schedule = _schedule.check_schedules(self.comm, name,
+            schedule = _schedule.check_schedules(self.comm, caller,
                                        _schedule.extract(jaxpr, traced))
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)

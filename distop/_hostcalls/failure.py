@@ -29,6 +29,12 @@ def take_error() -> BaseException | None:
     return err
 
 
+def _is_mpi_error(err: BaseException) -> bool:
+    """**Returns:** whether `err` is mpi4py's `MPI.Exception` (an error of MPI itself)."""
+    module = sys.modules.get("mpi4py.MPI")
+    return module is not None and isinstance(err, module.Exception)
+
+
 def fail(call: Any, err: BaseException) -> NoReturn:
     """Report `err`, raised in `call` (a `HostCall`), as every rank must learn of it (see
     the guide's errors section), and raise it."""
@@ -40,7 +46,12 @@ def fail(call: Any, err: BaseException) -> NoReturn:
         # (a message that cannot be encoded, a lone surrogate in it, say, would fail
         # again where XLA takes it: shown escaped instead)
         text = f"raised {type(err).__name__}: {err}"
-        if isinstance(err, ValueError) and "read-only" in str(err):
+        if _is_mpi_error(err):
+            text += (". An MPI error inside a method: most often the ranks' collectives "
+                     "did not match (one rank made a collective the others did not, or "
+                     "with other sizes). Run with DISTOP_CHECK_COLLECTIVES=1 (the checking "
+                     "mode) to find the call where the ranks part")
+        elif isinstance(err, ValueError) and "read-only" in str(err):
             text += (". The arrays a method receives are read-only by design: they are "
                      "XLA's buffers, shared without a copy. Copy one first (x = x.copy()) "
                      "to change it")

@@ -402,9 +402,28 @@ class HostCall(HostCallable):
                     f"returned {what} {k}{where} with shape {r.shape} and dtype "
                     f"{r.dtype}; expected shape {batch + shape} and dtype {dtype}"
                     + (" (a leading batch axis, as batched_" + self.phase + " = True)"
-                       if batch else "")))
+                       if batch else "") + self._expected_from()))
             checked.append(r)
         return tuple(checked)
+
+    def _expected_from(self) -> str:
+        """**Returns:** where the expected shapes come from and where the method is, for
+        the message of a result of the wrong shape (the traceback holds only distop's
+        frames: the method has returned)."""
+        name = type(self.op).__name__
+        if self.phase == "forward":
+            told = (f". The expected shapes come from {name}.output_spec (by default: "
+                    "the first input's shape and dtype); define output_spec(self, "
+                    "*input_specs) returning the outputs' jax.ShapeDtypeStruct where "
+                    "they differ")
+        else:
+            told = (f". A {self.phase} returns one array per "
+                    + ("input, shaped as that input" if self.phase == "vjp"
+                       else "output, shaped as that output"))
+        code = getattr(self.function, "__code__", None)
+        place = ("" if code is None else
+                 f" ({self.where} is at {code.co_filename}:{code.co_firstlineno})")
+        return told + place
 
     def _describe(self, row: tuple[int, ...] | None) -> tuple[str, str]:
         """**Returns:** (where in the batch, what the results are), for messages."""

@@ -35,9 +35,17 @@ class Checker:
         lines = ["Detected mismatch between collectives on ranks:"]
         for rank, e in enumerate(every):
             lines.append(f"  Rank {rank} is running {_say(e)}")
-        lines.append("Likely cause: control flow that depends on the rank (lax.cond, "
-                     "while_loop, Python code in an operator), an operator whose collectives "
-                     "depend on rank-local data, or a failure on the ranks named above.")
+        failed = [(r, e) for r, e in enumerate(every) if len(e) > 2 and e[1] == "failed"]
+        if failed:
+            lines.append("Cause: " + "; ".join(
+                f"rank {r} failed in {e[2]}" for r, e in failed)
+                + ": its error, raised there with the method's traceback, is the one to "
+                "read; the other ranks stop here.")
+        else:
+            lines.append("Likely cause: control flow that depends on the rank (lax.cond, "
+                         "while_loop, Python code in an operator), an operator whose "
+                         "collectives depend on rank-local data, or a failure on the ranks "
+                         "named above.")
         raise CollectiveMismatchError("\n".join(lines))
 
 

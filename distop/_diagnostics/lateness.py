@@ -24,6 +24,12 @@ SHARE = 0.1
 # others in every stretch (its launcher's or its MPI library's own work, say) is not
 # what anyone waits for.
 SPAN_SHARE = 0.02
+# A rank the others waited for stands out too, however few of the meetings it came last
+# at (a rank slowed once per pair of calls, say), where the waiting for it is at least
+# this share of all the waiting at the meetings, twice any other rank's ...
+WAITED = 0.5
+# ... and at least this share of the profile's span: waiting anyone would see.
+WAITED_SPAN_SHARE = 0.1
 
 
 def arrivals_at_meetings(every: Sequence[dict[str, Any]]) -> np.ndarray:
@@ -72,6 +78,11 @@ def standing_out(every: Sequence[dict[str, Any]]) -> int | None:
     over the stretches, is above `NOISE`, above `SHARE` of all the waiting at the
     meetings and `SPAN_SHARE` of the profile's span, and twice any other rank's.
 
+    A rank stands out as well where the waiting for it (at the meetings it came last
+    at) is most of all the waiting (`WAITED`, and twice any other rank's) and a visible
+    share of the span (`WAITED_SPAN_SHARE`), above `NOISE`: however few of the meetings
+    it came last at, as where it is slow once per pair of calls.
+
     **Arguments:**
     - `every`: per rank, its summary (`starts`, `ends` and `names` of its meetings).
 
@@ -103,7 +114,18 @@ def standing_out(every: Sequence[dict[str, Any]]) -> int | None:
     late, _ = lateness(arrivals_at_meetings(every))
     span = float(np.max(ends[:, -1] - ends[:, 0]))
     enough = max(NOISE, SHARE * float(late.sum()), SPAN_SHARE * span)
-    return top if score[top] >= enough and score[top] >= 2 * second else None
+    if score[top] >= enough and score[top] >= 2 * second:
+        return top
+    return _waited_for(late, span)
+
+
+def _waited_for(late: np.ndarray, span: float) -> int | None:
+    """**Returns:** the rank the others waited for most (see `standing_out`), or None."""
+    order = np.argsort(late)[::-1]
+    top, most, second = int(order[0]), float(late[order[0]]), float(late[order[1]])
+    if most >= max(NOISE, WAITED * float(late.sum()), WAITED_SPAN_SHARE * span, 2 * second):
+        return top
+    return None
 
 
 def _alike(every: Sequence[dict[str, Any]]) -> int:

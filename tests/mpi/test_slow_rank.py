@@ -112,6 +112,23 @@ def test_the_profile_names_the_slow_rank_and_where_its_time_went(where):
         assert met and all(e["args"]["arrival_vs_last_us"] <= 0 for e in met)
 
 
+def test_a_rank_slowed_once_per_pair_of_calls_is_named():
+    # slowed in its own code before each run only: it comes last at a few of the
+    # meetings, and the others wait for it most of the time
+    op = Summed(0.0)
+    problem = distop.Problem(lambda x: {"f": jnp.sum(op(x) ** 2)}, {"x": np.ones(4)})
+    problem.run(), problem.compute_totals()
+    with problem.profile() as prof:
+        for _ in range(10):
+            if rank == SLOW:
+                time.sleep(0.03)
+            problem.run()
+            problem.compute_totals()
+    report = prof.report()
+    assert report.slowest_rank == SLOW, report.table()
+    assert report.headline().startswith(f"slowest rank: {SLOW} "), report.headline()
+
+
 def test_with_no_rank_slowed_the_profile_names_none():
     # the same pause on every rank: identical work, the ranks idle in it. A machine
     # whose cores are all busy may slow one rank for real for a while, and the profile

@@ -1480,3 +1480,36 @@ def test_the_default_backend_follows_jax_s_default_device(monkeypatch):
                            r"JAX's default device here is 'tpu'\. Pass "
                            r"backend='io_callback'"):
             distop.Problem(model, inputs, **chosen)
+
+
+def test_inputs_may_be_pytrees_with_totals_keyed_by_their_leaves():
+    import equinox as eqx
+
+    class Linear(eqx.Module):
+        w: jax.Array
+        b: jax.Array
+
+    data = np.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+    def model(params, model, scale):
+        pred = data @ params["w"] + params["b"] + data @ model.w + model.b
+        return {"loss": scale * jnp.sum(pred ** 2)}
+
+    params = {"w": np.array([0.1, -0.2, 0.3]), "b": np.array(0.5)}
+    linear = Linear(jnp.array([1.0, 2.0, 3.0]), jnp.array(-1.0))
+    problem = distop.Problem(model, {"params": params, "model": linear, "scale": [1.0]})
+    assert problem.input_names == ("params['b']", "params['w']", "model.w", "model.b",
+                                   "scale")
+    J = problem.compute_totals("loss", ["params", "model"])
+    want = jax.grad(lambda p, m: model(p, m, 1.0)["loss"], argnums=(0, 1))(params, linear)
+    np.testing.assert_allclose(J["loss", "params['w']"][0], want[0]["w"])
+    np.testing.assert_allclose(J["loss", "params['b']"][0], [want[0]["b"]])
+    np.testing.assert_allclose(J["loss", "model.w"][0], want[1].w)
+    # a leaf by its own name, and a tree of the same structure in run
+    assert set(problem.compute_totals("loss", "params['w']")) == {("loss", "params['w']")}
+    moved = {"w": np.zeros(3), "b": np.array(0.0)}
+    assert problem.run(params=moved)["loss"] == model(moved, linear, 1.0)["loss"]
+    with pytest.raises(ValueError, match=r"input 'params' is a tree of another structure "
+                                         r"than at the Problem's point"):
+        problem.run(params={"w": np.zeros(3)})
+    problem.check_totals(raise_on_error=True, out_stream=None)

@@ -9,6 +9,7 @@ import numpy as np
 
 from .._dtypes import inexact_dtype as inexact
 from .inputs import as_input
+from .trees import Trees
 
 CACHE_SIZE = 64  # the input shapes a Problem keeps programs for, by default
 
@@ -20,8 +21,9 @@ DIRECTIONS = ("rev", "fwd", "auto")  # compute_totals: seeded by `of`, by `wrt`,
 
 def check_arguments(model: Callable, inputs: dict, backend: str | None, copy: bool | None,
                     distributed: frozenset) -> tuple:
-    """**Returns:** (the backend, `copy` as a bool or None, the point) after checking
-    `Problem`'s arguments; the backend None is the default for JAX's default device."""
+    """**Returns:** (the backend, `copy` as a bool or None, the point: one input per
+    leaf of a tree input, its `Trees`) after checking `Problem`'s arguments; the backend
+    None is the default for JAX's default device."""
     if not callable(model):
         raise TypeError(f"Problem(model=...): got a {type(model).__name__}; expected "
                         "a function called as model(**inputs) returning a dict.")
@@ -43,13 +45,15 @@ def check_arguments(model: Callable, inputs: dict, backend: str | None, copy: bo
     if not (copy is None or isinstance(copy, (bool, np.bool_))):
         raise ValueError(f"Problem(copy={copy!r}): expected True, None or False.")
     copy = None if copy is None else bool(copy)
+    trees = Trees(inputs)
+    inputs = trees.flat("Problem(inputs=...)", inputs)
     point = {name: as_input(f"Problem(inputs={{'{name}': ...}})", value, copy)
              for name, value in inputs.items()}
-    for name in distributed & set(point):
+    for name in frozenset(trees.names(distributed)) & set(point):
         if point[name].ndim == 0:
             raise ValueError(f"Problem(distributed=[{name!r}]): input {name!r} is "
                              "0-d; a distributed value needs an axis 0 to split.")
-    return backend, copy, point
+    return backend, copy, point, trees
 
 
 def cache_size() -> int:
@@ -117,7 +121,8 @@ def _same_dtype(where: str, name: str, new: np.ndarray, value: Any, old: np.ndar
 
 
 def moved(method: str, inputs: Any, current: dict, copy: bool | None,
-          keywords: bool = True) -> tuple[dict, BaseException | None]:
+          keywords: bool = True, trees: Trees | None = None,
+          ) -> tuple[dict, BaseException | None]:
     """The point a call asks for: the current one with `inputs` in it.
 
     **Arguments:**
@@ -127,6 +132,7 @@ def moved(method: str, inputs: Any, current: dict, copy: bool | None,
     - `copy`: the Problem's `copy` option.
     - `keywords`: whether the method takes them as keywords (`run(x=...)`) or as a dict
       (`inputs={'x': ...}`), for the messages.
+    - `trees`: the Problem's tree inputs, whose values `inputs` may give as trees.
 
     **Returns:** (the point, None), or (the current point, the error) where this rank
     refuses them: the call's agreement then raises it on every rank.
@@ -135,6 +141,8 @@ def moved(method: str, inputs: Any, current: dict, copy: bool | None,
         if not isinstance(inputs, dict):
             raise TypeError(f"{method}(inputs=...): expected a dict of name -> array; "
                             f"got a {type(inputs).__name__}.")
+        if trees is not None:
+            inputs = trees.flat(f"{method}(...)", inputs)
         point = dict(current)
         for name, value in inputs.items():
             where = (f"{method}({name}=...)" if keywords

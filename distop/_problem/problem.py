@@ -151,10 +151,14 @@ class Problem:
         # arguments refused on some ranks raise on every rank; every agreement on this
         # communicator sends rows of one width, the most any rank's Problem sends,
         # whichever Problem the call is of (see `CallAgreement`)
-        self._backend, self._copy, self._point, size = self._coordinator.collective_step(
+        checked = self._coordinator.collective_step(
             "Problem: checking its arguments",
             lambda: (*check_arguments(model, inputs, backend or os.environ.get(
                 "DISTOP_BACKEND") or None, copy, self.distributed), cache_size()))
+        self._backend, self._copy, self._point, self._trees, size = checked
+        # (a tree input declared distributed: each of its leaves)
+        self.distributed = self._coordinator.distributed = frozenset(
+            self._trees.names(self.distributed))
         # the widest agreement row of every rank, and whether all name the same
         # distributed values: one reduction of a fixed size
         names = sorted(self.distributed)
@@ -175,7 +179,8 @@ class Problem:
         # (the model's kinds: where a replicated input meets varying data, its
         # cotangent is summed over the ranks; see `_inference`)
         inference = Inference(comm, self.distributed, compare_at_trace=False)
-        self._programs = Programs(inference.wrap(model), self._coordinator, self.backend,
+        self._programs = Programs(inference.wrap(self._trees.model(model)),
+                                  self._coordinator, self.backend,
                                   self.fuse, size, inference.compare_constants)
         self._executor = Executor(self._coordinator)
         # (the options that shape the programs are part of the first request)
@@ -280,7 +285,7 @@ class Problem:
         `DistopError` on every rank. `DistopError` on every rank where
         `check_replicated` finds replicated values that differ.
         """
-        point, refused = moved("run", inputs, self._point, self.copy)
+        point, refused = moved("run", inputs, self._point, self.copy, trees=self._trees)
         outs = self._coordinator.retry_if_missed(lambda: self._executor(self._programs.program(
             "run", (), self._programs.layout(point, ("run",), refused, may_defer=True,
                                              current=self._point)), point))
@@ -378,7 +383,7 @@ class Problem:
         **Raises:** what `run` and `compute_totals` raise.
         """
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
-                               self._point, self.copy, keywords=False)
+                               self._point, self.copy, keywords=False, trees=self._trees)
 
         def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program,
                                dict[Any, Any]]:
@@ -460,7 +465,7 @@ class Problem:
         step, atol, rtol = _totals.check_options(method, form, step, atol, rtol)
         of = check_names("check_totals", "of", of, self.output_names,
                          layout.differentiable["outputs"])
-        wrt = check_names("check_totals", "wrt", wrt, self.input_names,
+        wrt = check_names("check_totals", "wrt", self._trees.expand(wrt), self.input_names,
                           layout.differentiable["inputs"])
         if method == "cs":
             _totals.check_complex_step(layout, of, wrt)
@@ -495,7 +500,7 @@ class Problem:
                                        current=self._point)
         of = check_names(method, "of", of, self.output_names,
                          layout.differentiable["outputs"])
-        wrt = check_names(method, "wrt", wrt, self.input_names,
+        wrt = check_names(method, "wrt", self._trees.expand(wrt), self.input_names,
                           layout.differentiable["inputs"])
         if mode not in MODES:
             raise ValueError(f"{method}(mode={mode!r}): expected one of {list(MODES)}.")

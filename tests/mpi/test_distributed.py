@@ -624,3 +624,29 @@ def test_check_totals_fails_a_planted_vjp_bug_in_float32_and_float64_by_default(
     if rank == 0:
         assert "cannot be judged, and fail" in out.getvalue() and "About step=" in \
             out.getvalue(), out.getvalue()
+
+
+def test_tree_inputs_replicated_and_distributed():
+    # the parameters a tree of replicated arrays, the data a tree of each rank's rows
+    # (uneven, none on one rank from 2 ranks on)
+    rows = 3 if rank != 1 else 0
+    rng = np.random.default_rng(rank)
+    batch = {"X": rng.standard_normal((rows, 2)), "y": rng.standard_normal(rows)}
+    params = {"w": np.array([0.5, -1.0]), "b": np.array(0.25)}
+    total = distop.AllreduceSum()
+
+    def model(params, batch):
+        return {"loss": total(jnp.sum((batch["X"] @ params["w"] + params["b"]
+                                       - batch["y"]) ** 2))}
+
+    problem = distop.Problem(model, {"params": params, "batch": batch},
+                             distributed=["batch"])
+    J = problem.compute_totals("loss", "params")
+    X = np.concatenate(comm.allgather(batch["X"]))
+    y = np.concatenate(comm.allgather(batch["y"]))
+    want = jax.grad(lambda p: jnp.sum((X @ p["w"] + p["b"] - y) ** 2))(params)
+    all_close_everywhere(comm, J["loss", "params['w']"][0], want["w"])
+    all_close_everywhere(comm, J["loss", "params['b']"][0], [want["b"]])
+    local = problem.compute_totals("loss", "batch", return_format="local")
+    assert local["loss", "batch['X']"].shape == (1, rows * 2)
+    problem.check_totals(raise_on_error=True, out_stream=None)

@@ -54,6 +54,16 @@ def emit(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
             outs = list(found) if isinstance(found, tuple) else [found]
         elif step.subs is not None:
             outs = _afresh(eqn, values, step.subs, total)
+        elif name == "distop_host_call":  # (a derivative of an operator, taken inside)
+            call = eqn.params["call"]
+            raise DistopError(
+                f"{type(call.op).__name__}.{call.phase}: the function differentiates an "
+                "operator itself, and the sums over the ranks its kinds need belong to "
+                "the function JAX differentiates, not to its derivative. Put with_kinds "
+                "around that function, inside the transformation: "
+                "jax.grad(distop.with_kinds(loss, distributed=...)), not "
+                "distop.with_kinds(jax.grad(loss)) (nor around jax.jit of the gradient); "
+                "in a Problem, let compute_totals take the derivatives.")
         elif holds_calls(eqn):
             raise DistopError(
                 f"distop cannot run a model whose `{name}` holds operator calls again with "

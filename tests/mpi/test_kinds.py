@@ -274,3 +274,20 @@ def test_a_constant_an_inner_jit_closes_over_is_compared_too():
     inner = jax.jit(lambda w: w * X_LOCAL)  # (the inner jit keeps X_LOCAL as its own)
     grad = jax.jit(jax.grad(distop.with_kinds(lambda w: total(jnp.sum(inner(w))))))(jnp.ones(3))
     all_close_everywhere(comm, grad, X_SUM)
+
+
+def test_with_kinds_around_the_gradient_says_where_it_belongs():
+    X = np.random.default_rng(rank).standard_normal((4, 3))
+
+    def loss(w, X):
+        return total(jnp.sum((X @ w) ** 2))
+
+    w = jnp.ones(3)
+    for wrong in (jax.grad(loss), jax.jit(jax.grad(loss))):
+        if size == 1:  # (one rank: nothing to sum, nothing placed)
+            distop.with_kinds(wrong, distributed="X")(w, X)
+            continue
+        with pytest.raises(distop.DistopError, match=r"AllreduceSum.vjp: the function "
+                           r"differentiates an operator itself.*jax.grad\(distop.with_kinds"
+                           r"\(loss, distributed=...\)\), not distop.with_kinds\(jax.grad"):
+            distop.with_kinds(wrong, distributed="X")(w, X)

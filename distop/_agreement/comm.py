@@ -34,11 +34,13 @@ class _Duplicate:
     the values distop keeps for it (`PerCommunicator`), which go with it when it is
     freed."""
 
-    __slots__ = ("channel", "checker", "comm", "freed", "internal", "reversed", "values")
+    __slots__ = ("channel", "checker", "comm", "freed", "internal", "owner", "reversed",
+                 "values")
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, owner: "_Duplicate | None" = None) -> None:
         self.comm = comm
         self.internal: Any = None  # distop's own duplicate of it (see `internal`)
+        self.owner = owner  # for an internal duplicate: the private one's record
         self.checker: Checker | None = None
         self.reversed: Any = None  # its ranks in reverse order (see `reversed_ranks`)
         self.channel: Any = None  # the watchdog's channel among its ranks
@@ -114,7 +116,7 @@ def internal(comm: Any) -> Any:
         if made.internal is None:
             with watchdog.watch("Problem: duplicating the communicator for distop"):
                 inner = dup.Dup()
-            record = _live[id(inner)] = _Duplicate(inner)
+            record = _live[id(inner)] = _Duplicate(inner, owner=made)
             inner.Set_attr(_key(), record)
             attach(inner)
             made.internal = inner
@@ -125,15 +127,17 @@ def checker(comm: Any) -> Checker:
     """The checking mode's `Checker` of a private communicator.
 
     It agrees on a further duplicate of its own, created at trace time (like `private`),
-    and freed with the private communicator.
+    and freed with the private communicator. An internal duplicate (see `internal`) has
+    its private one's: a program's checks and its methods' checks are one sequence.
 
     **Arguments:**
-    - `comm`: a private communicator (from `private`).
+    - `comm`: a private communicator (from `private`), or its internal duplicate.
 
     **Returns:** its `Checker`, the same one on every call.
     """
     with _lock:
         made = _record(comm)
+        made = made.owner or made
         if made.checker is None:
             made.checker = Checker(comm.Dup())
     return made.checker

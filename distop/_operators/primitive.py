@@ -112,6 +112,19 @@ def _forward_over_forward(call: HostCall) -> str:
             "or jax.jvp of jax.grad instead (forward over reverse), which use its hvp.")
 
 
+def _lacks_hvp(call: HostCall) -> str:
+    """**Returns:** the message of a second derivative through an operator without
+    `hvp`, naming `jvp` first where that is missing too (every second derivative needs
+    it)."""
+    where = f"{call.where} on rank {_rank(call)}: "
+    if implements(call.op, "jvp"):
+        return where + missing(call.op, "hvp")
+    name = type(call.op).__name__
+    return (where + f"{name} does not implement jvp(self, comm, tangent, *inputs), which "
+            "second derivatives through it need, besides hvp(self, comm, cotangent, "
+            "tangent, *inputs) (or linear = True where its forward is linear).")
+
+
 def _rank(call: HostCall) -> int:
     return call.comm.Get_rank() if call.comm is not None else 0
 
@@ -253,8 +266,7 @@ def _second(call: HostCall, token: Any, primals: Sequence[Any], inputs: Sequence
     if call.phase == "jvp":  # (refused where it is run; transposed into an hvp call)
         return host_call_p.bind(*args, call=call.with_phase("jvp2", levels))
     if not implements(call.op, "hvp"):
-        return refused(f"{call.where} on rank {_rank(call)}: "
-                       + missing(call.op, "hvp"), varying, avals)
+        return refused(_lacks_hvp(call), varying, avals)
     return _bind_reading(call.with_phase("hvp", levels), token, args)
 
 
@@ -411,8 +423,7 @@ def _transpose_second(cts: Sequence[Any], args: Sequence[Any], call: HostCall) -
     undefined = [ad.is_undefined_primal(x) for x in moving]
     cts = [ad.instantiate_zeros(c) for c in cts]
     if not implements(call.op, "hvp"):  # (a jvp2 call: its values raise where evaluated)
-        found = iter(refused(f"{call.where} on rank {_rank(call)}: "
-                             + missing(call.op, "hvp"), cts,
+        found = iter(refused(_lacks_hvp(call), cts,
                              [x.aval for x, u in zip(moving, undefined) if u]))
         results = [next(found) if u else None for u in undefined]
         return [None] * first + results + [None] * len(inputs)

@@ -1,0 +1,73 @@
+"""Hessian-vector products of a Problem in a single process (and the cases of
+tests/mpi/test_hvp.py, which run under MPI too)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Cube, NormScale, mpi_tests, norm_scale
+
+import distop
+
+
+@pytest.mark.parametrize("case", mpi_tests("test_hvp"))
+def test_case(case):
+    case()
+
+
+X = np.array([0.5, -1.5, 2.0])
+
+
+def test_compute_hvp_checks_its_arguments():
+    problem = distop.Problem(lambda x, n: {"f": jnp.sum(NormScale()(x)) * n, "y": x * 2.0},
+                             {"x": X, "n": np.array(2)})
+    for args, error, message in [
+        (("y", "x", {"x": X}), ValueError, r"compute_hvp\(of='y'\): output 'y' has shape "
+                                           r"\(3,\); expected a scalar"),
+        (("g", "x", {"x": X}), ValueError, r"no output named 'g'"),
+        ((["f"], "x", {"x": X}), TypeError, r"expected the name of one scalar output"),
+        (("f", "z", {"z": X}), ValueError, r"compute_hvp\(wrt=\['z'\]\): no input named"),
+        (("f", "n", {"n": np.array(1)}), ValueError, r"'n' is not floating point"),
+        (("f", "x", {"y": X}), ValueError, r"its names \['y'\] are not those of wrt"),
+        (("f", "x", X), TypeError, r"expected a dict of input name -> array"),
+        (("f", "x", {"x": X[:2]}), ValueError, r"shape \(2,\); expected \(3,\).*\(K, \*"),
+        (("f", "x", {"x": X + 1j}), TypeError, r"got complex128 values for a float64"),
+        (("f", "x", {"x": np.zeros((0, 3))}), ValueError, r"no directions"),
+    ]:
+        with pytest.raises(error, match=message):
+            problem.compute_hvp(*args)
+    got = problem.compute_hvp("f", "x", {"x": X})  # (and then works)
+    want = jax.hessian(lambda x: 2 * jnp.sum(norm_scale(x)))(X) @ X
+    np.testing.assert_allclose(got["x"], want, rtol=1e-13)
+
+
+def test_compute_hvp_through_an_operator_without_hvp_raises_naming_it():
+    problem = distop.Problem(lambda x: {"f": jnp.sum(jnp.sin(Cube()(x)))}, {"x": X})
+    with pytest.raises((distop.MissingMethodError, distop.SecondDerivativeError),
+                       match="Cube does not implement jvp"):
+        problem.compute_hvp("f", "x", {"x": X})
+
+    class ForwardCube(Cube):
+        def jvp(self, comm, t, x):
+            return 3 * x ** 2 * t
+
+    for backend in ("lean", "io_callback"):
+        problem = distop.Problem(lambda x: {"f": jnp.sum(jnp.sin(ForwardCube()(x)))},
+                                 {"x": X}, backend=backend)
+        with pytest.raises(distop.SecondDerivativeError,
+                           match="ForwardCube does not implement hvp"):
+            problem.compute_hvp("f", "x", {"x": X})
+
+
+def test_compute_hvp_makes_one_call_per_operator_method_for_all_directions():
+    op = NormScale(seen=[])
+    problem = distop.Problem(lambda x: {"f": jnp.sum(jnp.sin(op(x)))}, {"x": X})
+    tangents = np.random.default_rng(1).standard_normal((8, 3))
+    got = problem.compute_hvp("f", "x", {"x": tangents})
+    H = jax.hessian(lambda x: jnp.sum(jnp.sin(norm_scale(x))))(X)
+    np.testing.assert_allclose(got["x"], tangents @ H, rtol=1e-12)
+    assert op.seen == [((8, 3), (8, 3))]
+    # the program: a forward, a jvp, an hvp and a vjp call, all its directions at once
+    # (the lean path's schedule of the last program built)
+    program = next(p for k, p in problem._programs.programs.items() if k[0] == "compute_hvp")
+    assert sorted(e.phase for e in program.schedule) == ["forward", "hvp", "jvp", "vjp"]

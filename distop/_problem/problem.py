@@ -555,6 +555,63 @@ class Problem:
                                     progress=progress)
 
 
+    @_one_at_a_time
+    def check_hvp(self, of: str, wrt: Names = None, *, directions: int = 2, seed: int = 0,
+                  step: float | None = None, atol: float = 1e-8, rtol: float = 1e-6,
+                  out_stream: Any = _totals.STDOUT, raise_on_error: bool = False,
+                  show_only_incorrect: bool = False,
+                  ) -> dict[tuple[str, str], _totals.TotalsCheck]:
+        """Compare `compute_hvp` with central differences of `compute_totals`.
+
+        Along `directions` random directions t (the same global ones on every rank),
+        H t from `compute_hvp` is compared entry by entry with (g(x + h t) - g(x - h t))
+        / 2h, g the gradient of `of` from `compute_totals` (and again at 2h, for the
+        error the difference carries), as `check_totals` judges its blocks. The current
+        point stays as it was.
+
+        **Arguments:**
+        - `of`: the name of a scalar floating-point output.
+        - `wrt`: input name(s); None means every floating-point input.
+        - `directions`: how many random directions (the rows of each block).
+        - `seed`: seeds the directions.
+        - `step`, `atol`, `rtol`, `out_stream`, `raise_on_error`,
+          `show_only_incorrect`: as for `check_totals`.
+
+        **Returns:** dict of `(of, wrt)` -> `TotalsCheck`, whose `J` holds H t (one row
+        per direction, the whole global vector) and `J_fd` its estimate.
+
+        **Raises:** `DerivativeCheckError` on every rank if `raise_on_error` and a block
+        fails; what `compute_hvp` and `compute_totals` raise.
+        """
+        key = _totals.request_key
+        point = self._point
+        layout = self._programs.layout(point, (
+            "check_hvp", key(of, names=True), key(wrt, names=True), key(directions),
+            key(seed), key(step), key(atol), key(rtol)))
+        step, atol, rtol = _totals.check_options("fd", "central", step, atol, rtol)
+        if not isinstance(directions, int) or directions < 1:
+            raise ValueError(f"check_hvp(directions={directions!r}): expected a whole "
+                             "number of directions, at least 1.")
+        (out,) = check_names("check_hvp", "of", [of] if isinstance(of, str) else of,
+                             self.output_names, layout.differentiable["outputs"])
+        ins = check_names("check_hvp", "wrt", wrt, self.input_names,
+                          layout.differentiable["inputs"])
+
+        def gradient(deltas: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            moved = {w: point[w] + deltas[w] for w in deltas}
+            found = self.run_and_compute_totals([out], ins, inputs=moved)[1]
+            return {w: found[out, w][0] for w in ins}
+
+        evaluations = _totals.HvpEvaluations(self.comm, layout, point, self.compute_hvp,
+                                             gradient)
+        try:
+            return _totals.check_hvp(evaluations, out, ins, directions=directions,
+                                     seed=seed, step=step, atol=atol, rtol=rtol,
+                                     out_stream=out_stream, raise_on_error=raise_on_error,
+                                     show_only_incorrect=show_only_incorrect)
+        finally:
+            self.run(**{w: point[w] for w in ins})  # (the current point, as it was)
+
     def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,
                         return_format: str, direction: str,
                         refused: BaseException | None = None,

@@ -2,6 +2,8 @@
 uneven blocks (some ranks own none), against dense Hessians of the global model (also
 run in one process by tests/test_hvp.py)."""
 
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +141,54 @@ def test_builtin_collectives_have_second_derivatives():
     all_close_everywhere(comm, got[0], want[:size * 3].reshape(size, 3)[rank], rtol=1e-12,
                          atol=1e-13)
     all_close_everywhere(comm, got[1], mine(want[size * 3:]), rtol=1e-12, atol=1e-13)
+
+
+class WrongHvp(NormScale):
+    """`NormScale` with a planted bug: a small extra term in its hvp."""
+
+    def hvp(self, comm, y_bar, t, x):
+        return super().hvp(comm, y_bar, t, x) + 1e-3 * t
+
+
+class AsymmetricHvp(NormScale):
+    """`NormScale` with a planted bug that breaks the symmetry of its hvp."""
+
+    def hvp(self, comm, y_bar, t, x):
+        local = np.sum(t, axis=-1, keepdims=True)
+        total = np.empty_like(local)
+        comm.Allreduce(np.ascontiguousarray(local), total, op=MPI.SUM)
+        return super().hvp(comm, y_bar, t, x) + 0.1 * x * total
+
+
+def test_check_hvp_passes_a_right_hvp_and_fails_a_planted_bug():
+    for op, right in ((NormScale(), True), (WrongHvp(), False)):
+        f = objective(op)
+        problem = distop.Problem(lambda x, w, f=f, op=op: {"f": f(x, w), "y": op(x)},
+                                 {"x": mine(XG), "w": WG}, distributed={"x", "y"})
+        out = io.StringIO()
+        results = problem.check_hvp("f", out_stream=out, directions=3)
+        assert set(results) == {("f", "x"), ("f", "w")}
+        assert results["f", "w"].ok and results["f", "x"].ok == right, out.getvalue()
+        assert results["f", "x"].J.shape == (3, ROWS)  # (the whole vector, every rank)
+        all_close_everywhere(comm, results["f", "x"].J_fd, results["f", "x"].J_fd)
+        if rank == 0:
+            assert "check_hvp: 'f'" in out.getvalue() and ("FAILED" in out.getvalue()) != right
+        if not right:
+            with pytest.raises(distop.DerivativeCheckError, match=r"check_hvp: .*\('f', 'x'\)"):
+                problem.check_hvp("f", "x", raise_on_error=True, out_stream=None)
+        np.testing.assert_array_equal(problem.run()["y"], op(mine(XG)))  # (point kept)
+
+
+def test_check_operator_checks_hvp_and_its_symmetry():
+    x = mine(XG)
+    found = distop.check_operator(NormScale(), x, out_stream=None)
+    assert all(found[p].ok for p in ("hvp vs fd", "hvp symmetry", "hvp batched")), found
+    wrong = distop.check_operator(WrongHvp(), x, out_stream=None)
+    assert not wrong["hvp vs fd"].ok and wrong["vjp vs fd"].ok
+    asymmetric = distop.check_operator(AsymmetricHvp(), x, out_stream=None)
+    assert not asymmetric["hvp symmetry"].ok and not asymmetric["hvp vs fd"].ok
+    local = np.random.default_rng(rank).uniform(0.5, 1.5, 3)  # (no ties between ranks)
+    for op in ("prod", "max"):
+        found = distop.check_operator(distop.Allreduce(op), local, replicated_outputs=[0],
+                                      out_stream=None)
+        assert "hvp symmetry" in found and all(r.ok for r in found.values()), found

@@ -71,3 +71,16 @@ def test_compute_hvp_makes_one_call_per_operator_method_for_all_directions():
     # (the lean path's schedule of the last program built)
     program = next(p for k, p in problem._programs.programs.items() if k[0] == "compute_hvp")
     assert sorted(e.phase for e in program.schedule) == ["forward", "hvp", "jvp", "vjp"]
+
+
+def test_compute_hvp_of_a_0d_input():
+    op = NormScale()
+    problem = distop.Problem(lambda x, a: {"f": a ** 3 * jnp.sum(jnp.sin(op(x)))},
+                             {"x": X, "a": np.array(1.5)})
+    got = problem.compute_hvp("f", ["x", "a"], {"x": X[::-1], "a": np.array(-2.0)})
+    assert got["a"].shape == () and got["x"].shape == (3,)
+    H = jax.hessian(lambda z: z[3] ** 3 * jnp.sum(jnp.sin(norm_scale(z[:3]))))(
+        np.append(X, 1.5))
+    want = H @ np.append(X[::-1], -2.0)
+    np.testing.assert_allclose(got["x"], want[:3], rtol=1e-12)
+    np.testing.assert_allclose(got["a"], want[3], rtol=1e-12)

@@ -187,7 +187,7 @@ def hvp_tangents(method: str, wrt: tuple, tangent: Any, point: dict,
                 f"{method}(tangent={{'{name}': ...}}): shape {value.shape}; expected "
                 f"{want.shape} (this rank's value of the input) or (K, *{want.shape}) "
                 "for K directions at once.")
-        found[name] = np.ascontiguousarray(value, dtype=want.dtype)
+        found[name] = np.array(value, dtype=want.dtype, order="C")  # (0-d stays 0-d)
     if len(counts) > 1:
         raise ValueError(f"{method}(tangent=...): some arrays have a leading axis of "
                          "directions and some do not, or their numbers differ; give "

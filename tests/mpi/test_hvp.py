@@ -192,3 +192,24 @@ def test_check_operator_checks_hvp_and_its_symmetry():
         found = distop.check_operator(distop.Allreduce(op), local, replicated_outputs=[0],
                                       out_stream=None)
         assert "hvp symmetry" in found and all(r.ok for r in found.values()), found
+
+
+def test_compute_totals_of_a_model_that_takes_a_gradient_itself():
+    # reverse over reverse inside a Problem: the totals of <grad f, c> are H c
+    c = mine(TG[1, :-2])
+    for backend in ("lean", "io_callback"):
+        op = NormScale()
+        f = objective(op)
+
+        def model(x, w, f=f):
+            g = jax.grad(f)(x, w)  # this rank's block of the gradient
+            return {"gc": distop.AllreduceSum()(jnp.sum(g * c)), "g": g}
+
+        problem = distop.Problem(model, {"x": mine(XG), "w": WG}, distributed={"x", "g"},
+                                 backend=backend)
+        totals = problem.compute_totals("gc", ["x", "w"])  # (x: the whole vector)
+        all_close_everywhere(comm, totals["gc", "x"][0], H[:-2, :-2] @ TG[1, :-2],
+                             rtol=1e-12, atol=1e-12)
+        all_close_everywhere(comm, totals["gc", "w"][0], H[-2:, :-2] @ TG[1, :-2],
+                             rtol=1e-12, atol=1e-12)
+        assert "hvp" in [e.phase for e in problem.schedule]

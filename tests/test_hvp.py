@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Cube, NormScale, mpi_tests, norm_scale
+from helpers import Coupled, Cube, NormScale, mpi_tests, norm_scale
 
 import distop
 
@@ -84,3 +84,16 @@ def test_compute_hvp_of_a_0d_input():
     want = H @ np.append(X[::-1], -2.0)
     np.testing.assert_allclose(got["x"], want[:3], rtol=1e-12)
     np.testing.assert_allclose(got["a"], want[3], rtol=1e-12)
+
+
+def test_a_second_derivative_through_an_implicit_operator_raises_naming_it():
+    op = Coupled()
+    b = np.array([1.0, 2.0, 3.0])
+    f = lambda b: jnp.sum(jnp.sin(op(b, 2.0)))  # noqa: E731
+    with pytest.raises(distop.SecondDerivativeError,
+                       match=r"Coupled.adjoint on rank 0: Coupled is an implicit operator, "
+                             r"whose second derivatives are not available"):
+        jax.grad(lambda b: jax.grad(f)(b) @ b)(b)
+    with pytest.raises(distop.MissingMethodError, match=r"Coupled does not implement "
+                                                        r"solve_linear"):
+        jax.hessian(f)(b)  # (forward over reverse: its linear solve first)

@@ -117,7 +117,7 @@ def _lacks_hvp(call: HostCall) -> str:
     `hvp`, naming `jvp` first where that is missing too (every second derivative needs
     it)."""
     where = f"{call.where} on rank {_rank(call)}: "
-    if implements(call.op, "jvp"):
+    if implements(call.op, "jvp") or getattr(type(call.op), "missing_methods", {}).get("hvp"):
         return where + missing(call.op, "hvp")
     name = type(call.op).__name__
     return (where + f"{name} does not implement jvp(self, comm, tangent, *inputs), which "

@@ -559,7 +559,7 @@ class Problem:
     def check_hvp(self, of: str, wrt: Names = None, *, directions: int = 2, seed: int = 0,
                   step: float | None = None, atol: float = 1e-8, rtol: float = 1e-6,
                   out_stream: Any = _totals.STDOUT, raise_on_error: bool = False,
-                  show_only_incorrect: bool = False,
+                  show_only_incorrect: bool = False, progress: bool = True,
                   ) -> dict[tuple[str, str], _totals.TotalsCheck]:
         """Compare `compute_hvp` with central differences of `compute_totals`.
 
@@ -575,7 +575,7 @@ class Problem:
         - `directions`: how many random directions (the rows of each block).
         - `seed`: seeds the directions.
         - `step`, `atol`, `rtol`, `out_stream`, `raise_on_error`,
-          `show_only_incorrect`: as for `check_totals`.
+          `show_only_incorrect`, `progress`: as for `check_totals`.
 
         **Returns:** dict of `(of, wrt)` -> `TotalsCheck`, whose `J` holds H t (one row
         per direction, the whole global vector) and `J_fd` its estimate.
@@ -608,7 +608,8 @@ class Problem:
             return _totals.check_hvp(evaluations, out, ins, directions=directions,
                                      seed=seed, step=step, atol=atol, rtol=rtol,
                                      out_stream=out_stream, raise_on_error=raise_on_error,
-                                     show_only_incorrect=show_only_incorrect)
+                                     show_only_incorrect=show_only_incorrect,
+                                     progress=progress)
         finally:
             self.run(**{w: point[w] for w in ins})  # (the current point, as it was)
 

@@ -234,8 +234,8 @@ class HvpEvaluations:
 
 def check_hvp(evaluations: HvpEvaluations, of: str, wrt: tuple[str, ...], *,
               directions: int, seed: int, step: float | None, atol: float, rtol: float,
-              out_stream: Any, raise_on_error: bool,
-              show_only_incorrect: bool) -> dict[tuple[str, str], TotalsCheck]:
+              out_stream: Any, raise_on_error: bool, show_only_incorrect: bool,
+              progress: bool = True) -> dict[tuple[str, str], TotalsCheck]:
     """See `Problem.check_hvp`: `of`, `wrt` and the options checked already."""
     if out_stream is STDOUT:
         out_stream = sys.stdout
@@ -253,15 +253,54 @@ def check_hvp(evaluations: HvpEvaluations, of: str, wrt: tuple[str, ...], *,
         start, stop = layout.local_rows(w, rank)
         tangent[w] = drawn[w][:, start:stop].reshape((directions, *point[w].shape)).astype(
             point[w].dtype)
-    found = evaluations.compute_hvp(of, wrt, tangent)
+    shown = out_stream if progress and rank == 0 else None
+    with _progress.Progress("check_hvp", 3, shown) as steps:
+        if shown is not None:
+            say = steps.say  # (past the bar on a terminal)
+        steps.next("computing the Hessian-vector products")
+        found = evaluations.compute_hvp(of, wrt, tangent)
+        steps.next(f"computing the gradient at {4 * directions} points")
+        values = _gradients(evaluations, wrt, tangent, directions, step)
+        steps.next("comparing on every rank")
+        results = _judge_hvp(evaluations, of, wrt, found, values, directions, step, dtypes,
+                             atol, rtol)
+    say(f"check_hvp: {of!r}: compute_hvp along {directions} random directions (rows) "
+        f"against central differences of compute_totals at step={step:g}")
+    if out_stream is not None and rank == 0:
+        _table(results, say, show_only_incorrect)
+    failed = [k for k, r in results.items() if not r.ok]
+    if raise_on_error and failed:
+        raise DerivativeCheckError(
+            "check_hvp: Hessian-vector products disagree with finite differences of the "
+            "gradient or between ranks for " + ", ".join(f"({o!r}, {w!r})" + (
+                f" [inconsistent ranks {results[o, w].inconsistent_ranks}]"
+                if results[o, w].inconsistent_ranks else _worst_words(results[o, w]))
+                for o, w in failed))
+    return results
+
+
+def _gradients(evaluations: HvpEvaluations, wrt: tuple[str, ...], tangent: dict[str, Any],
+               directions: int, step: float) -> list[np.ndarray]:
+    """**Returns:** per multiple of the step (see `multiples`), the gradients at the
+    point moved along each direction: one row per direction."""
+    factors = [f.real for f in multiples("fd", "central")]
+    return [np.stack([np.concatenate([g[w] for w in wrt]) for g in (
+        evaluations.gradient({w: factor * step * tangent[w][k] for w in wrt})
+        for k in range(directions))]) for factor in factors]
+
+
+def _judge_hvp(evaluations: HvpEvaluations, of: str, wrt: tuple[str, ...],
+               found: dict[str, Any], values: list[np.ndarray], directions: int,
+               step: float, dtypes: list[Any], atol: float,
+               rtol: float) -> dict[tuple[str, str], TotalsCheck]:
+    """Judge the products `found` against the central differences of the gradients
+    `values`, block by block, on every rank."""
+    comm, layout, point = evaluations.comm, evaluations.layout, evaluations.point
     J = {(of, w): (gather_columns(comm, np.ascontiguousarray(found[w].reshape(directions, -1)),
                                   flat_counts(layout, w))
                    if w in layout.counts else np.asarray(found[w]).reshape(directions, -1))
          for w in wrt}
     factors = [f.real for f in multiples("fd", "central")]
-    values = [np.stack([np.concatenate([g[w] for w in wrt]) for g in (
-        evaluations.gradient({w: factor * step * tangent[w][k] for w in wrt})
-        for k in range(directions))]) for factor in factors]
     eps = max(float(jnp.finfo(d).eps) for d in dtypes)
     fd = estimate("fd", "central", values, None,
                   [np.full((directions, 1), factor * step) for factor in factors], eps)
@@ -276,20 +315,7 @@ def check_hvp(evaluations: HvpEvaluations, of: str, wrt: tuple[str, ...], *,
                                     rounding[:, offset:offset + n],
                                     fd.truncation[:, offset:offset + n], eps, scale)
         offset += n
-    results = _judge(comm, (of,), wrt, J, estimates, atol, rtol)
-    say(f"check_hvp: {of!r}: compute_hvp along {directions} random directions (rows) "
-        f"against central differences of compute_totals at step={step:g}")
-    if out_stream is not None and rank == 0:
-        _table(results, say, show_only_incorrect)
-    failed = [k for k, r in results.items() if not r.ok]
-    if raise_on_error and failed:
-        raise DerivativeCheckError(
-            "check_hvp: Hessian-vector products disagree with finite differences of the "
-            "gradient or between ranks for " + ", ".join(f"({o!r}, {w!r})" + (
-                f" [inconsistent ranks {results[o, w].inconsistent_ranks}]"
-                if results[o, w].inconsistent_ranks else _worst_words(results[o, w]))
-                for o, w in failed))
-    return results
+    return _judge(comm, (of,), wrt, J, estimates, atol, rtol)
 
 
 def _judge(comm: Any, of: tuple[str, ...], wrt: tuple[str, ...], J: Blocks,

@@ -175,7 +175,8 @@ def test_check_hvp_passes_a_right_hvp_and_fails_a_planted_bug():
             assert "check_hvp: 'f'" in out.getvalue() and ("FAILED" in out.getvalue()) != right
         if not right:
             with pytest.raises(distop.DerivativeCheckError, match=r"check_hvp: .*\('f', 'x'\)"):
-                problem.check_hvp("f", "x", raise_on_error=True, out_stream=None)
+                problem.check_hvp("f", "x", raise_on_error=True, out_stream=None,
+                                  progress=False)
         np.testing.assert_array_equal(problem.run()["y"], op(mine(XG)))  # (point kept)
 
 

@@ -97,3 +97,23 @@ def test_a_second_derivative_through_an_implicit_operator_raises_naming_it():
     with pytest.raises(distop.MissingMethodError, match=r"Coupled does not implement "
                                                         r"solve_linear"):
         jax.hessian(f)(b)  # (forward over reverse: its linear solve first)
+
+
+def test_compute_hvp_through_an_operator_inside_lax_scan():
+    op = NormScale()
+
+    def f(x, op):
+        y, _ = jax.lax.scan(lambda c, _: (jnp.sin(op(c)), None), x, None, length=3)
+        return jnp.sum(y)
+
+    x = X / 3
+    H = jax.hessian(lambda x: f(x, norm_scale))(x)
+    T = np.random.default_rng(0).standard_normal((4, 3))
+    for backend in ("lean", "io_callback"):
+        problem = distop.Problem(lambda x: {"f": f(x, op)}, {"x": x}, backend=backend)
+        np.testing.assert_allclose(problem.compute_hvp("f", "x", {"x": T})["x"], T @ H,
+                                   rtol=1e-12, atol=1e-14)
+        program = next(p for k, p in problem._programs.programs.items()
+                       if k[0] == "compute_hvp")
+        # (on the lean path its calls are on the token chain, counted per run)
+        assert (program.calls != 0) == (backend == "lean")

@@ -634,3 +634,29 @@ def test_jax_refusing_ordered_calls_raises_distops_error_naming_the_operator_and
     problem = distop.Problem(lambda x: {"f": jax.vmap(jax.grad(branch))(x)},
                              {"x": np.stack([X, -X])})
     np.testing.assert_allclose(problem.run()["f"][0], 2.0 * np.cos(X))
+
+
+def test_second_derivatives_with_an_integer_input():
+    class Power(distop.DistributedOperator):  # y = n x ** 2, n an integer
+        def forward(self, comm, x, n):
+            return n * x ** 2
+
+        def vjp(self, comm, y_bar, x, n):
+            return 2 * n * x * y_bar, None
+
+        def jvp(self, comm, tangent, x, n):
+            assert tangent[1] is None  # (an integer input has no tangent)
+            return 2 * n * x * tangent[0]
+
+        def hvp(self, comm, y_bar, tangent, x, n):
+            assert tangent[1] is None
+            return 2 * n * y_bar * tangent[0], None
+
+    f = lambda x: jnp.sum(jnp.sin(Power()(x, 3)))  # noqa: E731
+    want = jax.hessian(lambda x: jnp.sum(jnp.sin(3 * x ** 2)))(X) @ X[::-1]
+    for name, got in _second_derivatives(f, X, X[::-1].copy()).items():
+        np.testing.assert_allclose(got, want, rtol=1e-13, err_msg=name)
+    problem = distop.Problem(lambda x, n: {"f": jnp.sum(jnp.sin(Power()(x, n)))},
+                             {"x": X, "n": np.array(3)})
+    np.testing.assert_allclose(problem.compute_hvp("f", "x", {"x": X[::-1]})["x"], want,
+                               rtol=1e-13)

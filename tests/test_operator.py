@@ -451,7 +451,7 @@ def test_a_second_derivative_through_an_operator_without_hvp_raises_naming_it():
     for name, fn in evaluated.items():
         with pytest.raises(distop.SecondDerivativeError,
                            match=r"ForwardCube.vjp on rank 0: ForwardCube does not implement "
-                                 r"hvp\(self, comm, cotangent, tangent, \*inputs\).*linear = "
+                                 r"hvp\(self, comm, y_bar, tangent, \*inputs\).*linear = "
                                  "True") if "jvp" not in name else pytest.raises(
                 distop.SecondDerivativeError, match=r"ForwardCube.jvp on rank 0: "
                                                     r"ForwardCube does not implement hvp"):

@@ -195,27 +195,27 @@ class DistributedOperator(eqx.Module):
         raise MissingMethodError(missing(self, "jvp"))
 
     @unimplemented
-    def hvp(self, comm: Any, cotangent: Any, tangent: Any, *inputs: Any,
+    def hvp(self, comm: Any, y_bar: Any, tangent: Any, *inputs: Any,
             **keywords: Any) -> Any:
         """Differentiate `vjp` with respect to the inputs, along a tangent (optional).
 
         It enables second derivatives (`jax.hessian`, `jax.jvp` of `jax.grad`, `jax.grad`
         of `jax.grad` or of `jax.jvp`, `Problem.compute_hvp`), together with `jvp`. Where
         `forward` is y = f(x), it returns the sum over the outputs' entries i of
-        `cotangent[i]` times the Hessian of y[i] with respect to the inputs, applied to
-        `tangent`: the derivative of `vjp(comm, cotangent, *inputs)` along `tangent`. This
+        `y_bar[i]` times the Hessian of y[i] with respect to the inputs, applied to
+        `tangent`: the derivative of `vjp(comm, y_bar, *inputs)` along `tangent`. This
         weighted Hessian is symmetric, which distop relies on to transpose the call into
         itself. An operator with `linear = True` needs none.
 
         **Arguments:**
         - `comm`: the operator's private communicator.
-        - `cotangent`: the output cotangent, as `vjp` takes it (a tuple for several
+        - `y_bar`: the output cotangent, as `vjp` takes it (a tuple for several
           outputs).
         - `tangent`: the input tangent, as `jvp` takes it (a tuple for several inputs;
           None for integer inputs).
         - `inputs`: the inputs of the matching forward call.
         - `keywords`: `batched` and `out`, where the method takes them (see the class
-          docstring); with `batched_hvp = True`, `cotangent` and `tangent` carry the
+          docstring); with `batched_hvp = True`, `y_bar` and `tangent` carry the
           leading batch axis.
 
         **Returns:** what `vjp` returns: one array per input, a tuple for several (None

@@ -77,7 +77,7 @@ def missing(op: Any, phase: str) -> str:
         return custom
     name = type(op).__name__
     if phase == "hvp":
-        return (f"{name} does not implement hvp(self, comm, cotangent, tangent, *inputs), "
+        return (f"{name} does not implement hvp(self, comm, y_bar, tangent, *inputs), "
                 "which second derivatives through it (jax.hessian, jax.jvp of jax.grad, "
                 "jax.grad of jax.grad or of jax.jvp, Problem.compute_hvp) need. Add it "
                 f"to {name} (the derivative of its vjp along the tangent), or declare "
@@ -121,7 +121,7 @@ def _lacks_hvp(call: HostCall) -> str:
         return where + missing(call.op, "hvp")
     name = type(call.op).__name__
     return (where + f"{name} does not implement jvp(self, comm, tangent, *inputs), which "
-            "second derivatives through it need, besides hvp(self, comm, cotangent, "
+            "second derivatives through it need, besides hvp(self, comm, y_bar, "
             "tangent, *inputs) (or linear = True where its forward is linear).")
 
 

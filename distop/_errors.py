@@ -65,11 +65,13 @@ class MissingMethodError(OperatorError, NotImplementedError):
 
 
 class SecondDerivativeError(DistopError, NotImplementedError):
-    """A derivative of an operator's derivative was asked for.
+    """A second derivative through an operator cannot be computed.
 
-    `jax.grad` of a model that itself takes a gradient through an operator, or a
-    Hessian, raises it.
-    distop's operators have first derivatives only.
+    A Hessian, `jax.jvp` of `jax.grad`, `jax.grad` of `jax.grad` or `compute_hvp`
+    through a nonlinear operator without `hvp` (or `jvp`) raises it where the second
+    derivative is evaluated, naming the operator and the method to add; so do forward
+    mode over forward mode (`jax.jacfwd` of `jax.jacfwd`: use `jax.hessian`) and third
+    derivatives.
     """
 
 

@@ -79,6 +79,48 @@ class Cube(distop.DistributedOperator):
         return 3 * x ** 2 * y_bar
 
 
+class NormScale(distop.DistributedOperator):
+    """y = x * s with s = the sum of x**2 over the global vector (each rank holding a
+    block of rows; one Allreduce per method): a nonlinear operator with every method,
+    `hvp` batched. `seen` records each hvp call's (cotangent shape, tangent shape)."""
+
+    forward_collectives = vjp_collectives = jvp_collectives = hvp_collectives = (
+        "Allreduce",)
+    batched_vjp = batched_jvp = batched_hvp = True
+    seen: list = None
+
+    def _sums(self, comm, *pairs):
+        """**Returns:** per pair (a, b) of this rank's arrays (a batch axis first where
+        a has one), the sum over the global vector of a * b, from one Allreduce."""
+        local = np.stack([np.sum(a * b, axis=-1) for a, b in pairs])
+        total = np.empty_like(local)
+        comm.Allreduce(np.ascontiguousarray(local), total, op=MPI.SUM)
+        return [t[..., None] for t in total]
+
+    def forward(self, comm, x):
+        (s,) = self._sums(comm, (x, x))
+        return x * s
+
+    def vjp(self, comm, y_bar, x):
+        s, c = self._sums(comm, (x, x), (y_bar, x))
+        return y_bar * s + 2 * x * c
+
+    def jvp(self, comm, t, x):
+        s, d = self._sums(comm, (x, x), (x, t))
+        return t * s + 2 * x * d
+
+    def hvp(self, comm, y_bar, t, x):
+        if self.seen is not None:
+            self.seen.append((y_bar.shape, t.shape))
+        c, d, e = self._sums(comm, (y_bar, x), (x, t), (y_bar, t))
+        return 2 * y_bar * d + 2 * t * c + 2 * x * e
+
+
+def norm_scale(x):
+    """`NormScale`'s forward on the whole global vector, in JAX."""
+    return x * jnp.sum(x ** 2)
+
+
 class RowScale(distop.DistributedOperator):
     """y = c * x with a batched vjp that records `(c, rows it was given)` in `seen` and
     sums its whole batch over the ranks (one Allreduce: ranks passing different rows

@@ -134,3 +134,14 @@ def test_scale_benchmark_counts_one_fixed_size_collective_per_steady_call():
             assert line.split("distop")[1].split() == ["1", "/", "24"], line
     assert "point-to-point peers of a steady run, per rank (at most): P=2: 1" in proc.stdout
     assert "P=16384" in proc.stdout, proc.stdout
+
+
+def test_the_hvp_benchmark_prints_its_table_on_two_ranks():
+    from helpers import run_mpi
+
+    code, out = run_mpi(2, ROOT / "benchmarks" / "hvp.py", "--size", "200", "--depth", "2",
+                        "--repeat", "2", timeout=300, expect_ok=False)
+    assert code == 0, out
+    assert "hvp benchmark: 2 rank(s), 200 rows, depth 2" in out, out
+    for row in ("compute_totals (gradient)", "compute_hvp, K=1", "compute_hvp, K=8"):
+        assert row in out, out

@@ -58,6 +58,7 @@ POISSON = [(2, "14,10"), (4, "7,0,10,7")]
 HEAT = [(2, 0), (4, 8)]
 OPTIMIZE = [(1, ""), (2, "9,7"), (4, "5,0,7,4")]
 DATA_PARALLEL = [(1, ""), (2, "8,0"), (4, "4,3,3,0")]
+NEWTON_KRYLOV = [(1, ""), (2, "400,0"), (4, "150,0,130,120")]
 LOAD_IMBALANCE = [(2, 1, where) for where in ("method", "jax", "outside")] + [
     (4, 2, where) for where in ("method", "jax", "outside")]
 # (the first test of each rank count's examples makes their launch: started first)
@@ -75,6 +76,8 @@ def _runs(nprocs, folder):
              for n, split in OPTIMIZE if n == nprocs]
     runs += [("data_parallel", ("--split", split) if split else ())
              for n, split in DATA_PARALLEL if n == nprocs]
+    runs += [("newton_krylov", ("--split", split) if split else ())
+             for n, split in NEWTON_KRYLOV if n == nprocs]
     # (the slow rank does 8 times the work: its extra time stays well above what other
     # tests running beside the launch add to any rank)
     runs += [("load_imbalance", ("--where", where, "--slow-rank", slow, "--factor", 8,
@@ -163,6 +166,19 @@ def test_data_parallel_example_trains_as_one_process_does(nprocs, split, example
     against = re.search(r"^against one process, full batch: max difference (\S+)$", out,
                         re.MULTILINE)
     assert against and float(against.group(1)) <= 1e-12, out
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.parametrize("nprocs, split", NEWTON_KRYLOV)
+def test_newton_krylov_example_converges_as_one_process_does(nprocs, split, example):
+    codes, out = example("newton_krylov", nprocs)
+    assert codes == [0] * nprocs, out
+    assert "check_hvp: ok" in out, out
+    error = re.search(r"max relative error (\S+)", out)
+    assert error and float(error.group(1)) <= 1e-8, out
+    newton = re.search(r"^Newton-Krylov +(\d+) iterations.*\|grad\| = (\S+);", out, re.MULTILINE)
+    assert newton and int(newton.group(1)) <= 8 and float(newton.group(2)) <= 1e-12, out
+    assert re.search(r"^trust-krylov .* (\d+) Hessian-vector products", out, re.MULTILINE), out
 
 
 def test_watchdog_kills_a_hung_job(tmp_path):

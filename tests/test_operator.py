@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Cube, ScaledSum
+from helpers import Cube, NormScale, ScaledSum, norm_scale
 from jax import lax
 
 import distop
@@ -439,21 +439,174 @@ def test_a_discarded_derivative_of_a_derivative_raises_nothing(make):
         np.testing.assert_allclose(problem.compute_totals()["f", "x"][0], want, rtol=1e-13)
 
 
-@pytest.mark.parametrize("make", [ForwardCube, distop.AllreduceSum], ids=["user", "built-in"])
-def test_a_derivative_of_a_derivative_evaluated_raises(make):
-    op = make()
+def test_a_second_derivative_through_an_operator_without_hvp_raises_naming_it():
+    op = ForwardCube()
     f = lambda x: jnp.sum(op(x) ** 2)  # noqa: E731
     evaluated = {
         "hessian": jax.hessian(f), "jit hessian": jax.jit(jax.hessian(f)),
         "grad of grad": jax.grad(lambda x: jax.grad(f)(x)[0]),
         "jit grad of grad": jax.jit(jax.grad(lambda x: jax.grad(f)(x)[0])),
         "jacfwd of grad": jax.jacfwd(jax.grad(f)),
+        "grad of jvp": jax.grad(lambda x: jax.jvp(f, (x,), (x,))[1]),
+        "jit grad of jvp": jax.jit(jax.grad(lambda x: jax.jvp(f, (x,), (X,))[1])),
         "times zero": jax.grad(lambda x: 0.0 * jax.grad(f)(x)[0] + f(x)),
     }
     for name, fn in evaluated.items():
-        with pytest.raises(distop.SecondDerivativeError, match="derivatives of a derivative"):
+        with pytest.raises(distop.SecondDerivativeError,
+                           match=r"ForwardCube.vjp on rank 0: ForwardCube does not implement "
+                                 r"hvp\(self, comm, y_bar, tangent, \*inputs\).*linear = "
+                                 "True") if "jvp" not in name else pytest.raises(
+                distop.SecondDerivativeError, match=r"ForwardCube.jvp on rank 0: "
+                                                    r"ForwardCube does not implement hvp"):
             fn(X)
             pytest.fail(f"{name}: no error")
+    for fn in (jax.hessian, lambda f: jax.grad(lambda x: jax.grad(f)(x)[0])):
+        with pytest.raises((distop.MissingMethodError, distop.SecondDerivativeError),
+                           match=r"Cube does not implement jvp"):
+            fn(lambda x: jnp.sum(Cube()(x) ** 2))(X)  # (every second derivative: jvp)
+
+
+class HvpSin(distop.DistributedOperator):
+    """y = a sin(x) for two inputs x and a, with every method; records its hvp calls."""
+
+    forward_collectives = vjp_collectives = jvp_collectives = hvp_collectives = (
+        "Allreduce",)
+    seen: list = None
+
+    def output_spec(self, x, a):
+        return x
+
+    def forward(self, comm, x, a):
+        return a * np.sin(x)
+
+    def vjp(self, comm, y_bar, x, a):
+        return a * np.cos(x) * y_bar, np.sin(x) * y_bar
+
+    def jvp(self, comm, tangent, x, a):
+        t_x, t_a = tangent
+        return a * np.cos(x) * t_x + np.sin(x) * t_a
+
+    def hvp(self, comm, y_bar, tangent, x, a):
+        self.seen.append((y_bar.shape, tangent[0].shape))
+        t_x, t_a = tangent
+        return (-a * np.sin(x) * y_bar * t_x + np.cos(x) * y_bar * t_a,
+                np.cos(x) * y_bar * t_x)
+
+
+class BatchedHvpSin(HvpSin):
+    batched_vjp = batched_jvp = batched_hvp = True
+
+
+class OrderedHvpSin(HvpSin):
+    ordered = True
+
+
+def _second_derivatives(f, z, v):
+    """**Returns:** {composition: its Hessian-vector product of f at z along v}."""
+    vs = np.stack([v, 2.0 * v])
+    grad_dot = lambda z, w: jax.grad(f)(z) @ w  # noqa: E731
+
+    def scanned(z):  # (two hvps inside lax.scan, summed)
+        def step(c, w):
+            return c + jax.jvp(jax.grad(f), (z,), (w,))[1], None
+        return lax.scan(step, jnp.zeros_like(z), vs)[0] / 3.0
+
+    return {
+        "hessian": jax.hessian(f)(z) @ v,
+        "jit hessian": jax.jit(jax.hessian(f))(z) @ v,
+        "jacfwd of jacrev": jax.jacfwd(jax.jacrev(f))(z) @ v,
+        "jvp of grad": jax.jvp(jax.grad(f), (z,), (v,))[1],
+        "jit jvp of grad": jax.jit(lambda z, v: jax.jvp(jax.grad(f), (z,), (v,))[1])(z, v),
+        "grad of grad": jax.grad(grad_dot)(z, v),
+        "jit grad of grad": jax.jit(jax.grad(grad_dot))(z, v),
+        "grad of jvp": jax.grad(lambda z: jax.jvp(f, (z,), (v,))[1])(z),
+        "jit grad of jvp": jax.jit(jax.grad(lambda z, v: jax.jvp(f, (z,), (v,))[1]))(z, v),
+        "vmap jvp of grad": jax.vmap(lambda w: jax.jvp(jax.grad(f), (z,), (w,))[1])(vs)[1] / 2,
+        "vmap grad of grad": jax.vmap(lambda w: jax.grad(grad_dot)(z, w))(vs)[1] / 2,
+        "vmap grad of jvp": jax.vmap(
+            lambda w: jax.grad(lambda z: jax.jvp(f, (z,), (w,))[1])(z))(vs)[1] / 2,
+        "jit scan of jvp of grad": jax.jit(scanned)(z),
+    }
+
+
+@pytest.mark.parametrize("cls", [HvpSin, BatchedHvpSin, OrderedHvpSin])
+def test_second_derivatives_match_a_dense_hessian(cls):
+    op = cls(seen=[])
+
+    def model(op):
+        return lambda z: jnp.sum(op(z[:3], z[3:]) ** 2) + jnp.sum(op(z[:3], z[3:]) * z[:3])
+
+    z = np.array([0.3, 1.2, -0.7, 1.5, 0.4, 2.0])
+    v = np.array([0.1, -0.3, 0.7, 0.2, 0.5, -1.0])
+    want = jax.hessian(model(lambda x, a: a * jnp.sin(x)))(z) @ v
+    for name, got in _second_derivatives(model(op), z, v).items():
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14, err_msg=name)
+    op.seen.clear()
+    jax.hessian(model(op))(z)  # (6 directions: one hvp call per operator call)
+    if cls is BatchedHvpSin:
+        assert op.seen == [((6, 3), (6, 3))] * 2
+    else:
+        assert op.seen == [((3,), (3,))] * 12
+
+
+def test_a_distributed_operators_second_derivatives_in_one_process():
+    op = NormScale(seen=[])
+    f = lambda x: jnp.sum(jnp.sin(op(x)))  # noqa: E731
+    ref = lambda x: jnp.sum(jnp.sin(norm_scale(x)))  # noqa: E731
+    want = jax.hessian(ref)(X) @ (X[::-1] - 1.0)
+    for name, got in _second_derivatives(f, X, X[::-1] - 1.0).items():
+        np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=name)
+
+
+def test_a_linear_operator_needs_no_hvp():
+    class Doubled(distop.DistributedOperator):  # (no hvp: its second derivative is zero)
+        linear = True
+
+        def forward(self, comm, x):
+            return 2.0 * x
+
+        def vjp(self, comm, y_bar, x):
+            return 2.0 * y_bar
+
+        def jvp(self, comm, t, x):
+            return 2.0 * t
+
+    for op, scale in ((Doubled(), 2.0), (distop.AllreduceSum(), 1.0)):
+        f = lambda x: jnp.sum(jnp.sin(op(x)) * x)  # noqa: E731, B023
+        ref = lambda x: jnp.sum(jnp.sin(scale * x) * x)  # noqa: E731, B023
+        want = jax.hessian(ref)(X) @ X
+        for name, got in _second_derivatives(f, X, X).items():
+            np.testing.assert_allclose(got, want, rtol=1e-13, err_msg=name)
+
+
+def test_forward_over_forward_raises_pointing_to_hessian():
+    op = HvpSin(seen=[])
+    f = lambda z: jnp.sum(op(z[:3], z[3:]) ** 2)  # noqa: E731
+    z = np.arange(6.0) + 0.5
+    for fn in (jax.jacfwd(jax.jacfwd(f)), jax.jit(jax.jacfwd(jax.jacfwd(f))),
+               lambda z: jax.jvp(lambda z: jax.jvp(f, (z,), (z,))[1], (z,), (z,))[1]):
+        with pytest.raises(distop.SecondDerivativeError,
+                           match=r"HvpSin.jvp on rank 0: forward mode over forward mode.*"
+                                 r"Use jax.hessian"):
+            fn(z)
+    # (traced and discarded: no error)
+    g = jax.grad(lambda z: jax.value_and_grad(f)(z)[0])(z)
+    np.testing.assert_allclose(g, jax.grad(f)(z), rtol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_a_model_with_a_second_derivative_inside_a_problem(backend):
+    op = NormScale()
+    f = lambda x: jnp.sum(jnp.sin(op(x)))  # noqa: E731
+    ref = lambda x: jnp.sum(jnp.sin(norm_scale(x)))  # noqa: E731
+    model = lambda x, v: {"hv": jax.jvp(jax.grad(f), (x,), (v,))[1],  # noqa: E731
+                          "g": jax.grad(lambda x: jax.grad(f)(x) @ v)(x)}
+    problem = distop.Problem(model, {"x": X, "v": X - 1.0}, backend=backend)
+    got = problem.run()
+    want = jax.hessian(ref)(X) @ (X - 1.0)
+    np.testing.assert_allclose(got["hv"], want, rtol=1e-12)
+    np.testing.assert_allclose(got["g"], want, rtol=1e-12)
+    assert "hvp" in [e.phase for e in problem.schedule]
 
 
 def test_jax_refusing_ordered_calls_raises_distops_error_naming_the_operator_and_the_fix():
@@ -484,3 +637,29 @@ def test_jax_refusing_ordered_calls_raises_distops_error_naming_the_operator_and
     problem = distop.Problem(lambda x: {"f": jax.vmap(jax.grad(branch))(x)},
                              {"x": np.stack([X, -X])})
     np.testing.assert_allclose(problem.run()["f"][0], 2.0 * np.cos(X))
+
+
+def test_second_derivatives_with_an_integer_input():
+    class Power(distop.DistributedOperator):  # y = n x ** 2, n an integer
+        def forward(self, comm, x, n):
+            return n * x ** 2
+
+        def vjp(self, comm, y_bar, x, n):
+            return 2 * n * x * y_bar, None
+
+        def jvp(self, comm, tangent, x, n):
+            assert tangent[1] is None  # (an integer input has no tangent)
+            return 2 * n * x * tangent[0]
+
+        def hvp(self, comm, y_bar, tangent, x, n):
+            assert tangent[1] is None
+            return 2 * n * y_bar * tangent[0], None
+
+    f = lambda x: jnp.sum(jnp.sin(Power()(x, 3)))  # noqa: E731
+    want = jax.hessian(lambda x: jnp.sum(jnp.sin(3 * x ** 2)))(X) @ X[::-1]
+    for name, got in _second_derivatives(f, X, X[::-1].copy()).items():
+        np.testing.assert_allclose(got, want, rtol=1e-13, err_msg=name)
+    problem = distop.Problem(lambda x, n: {"f": jnp.sum(jnp.sin(Power()(x, n)))},
+                             {"x": X, "n": np.array(3)})
+    np.testing.assert_allclose(problem.compute_hvp("f", "x", {"x": X[::-1]})["x"], want,
+                               rtol=1e-13)

@@ -40,6 +40,54 @@ def _exclusive(comm: Any, x: np.ndarray, op: Any, empty: float) -> np.ndarray:
     return out
 
 
+def _others_product_derivative(comm: Any, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """**Returns:** per element, the derivative of `_others_product` along the tangent
+    `t` (every rank its own): the sum over the other ranks s of t_s times the product of
+    the rest, exact where some values are zero (no division). The products before and
+    after this rank are taken of (value, derivative) pairs, multiplied by the product
+    rule, in one `Exscan` each."""
+    if comm.Get_size() == 1:
+        return np.zeros_like(x)
+    pairs = np.ascontiguousarray(np.stack(np.broadcast_arrays(x, t), axis=-1))
+    before = _exclusive_pairs(comm, pairs)
+    after = _exclusive_pairs(_reversed(comm), pairs)
+    return before[..., 1] * after[..., 0] + before[..., 0] * after[..., 1]
+
+
+_PAIRS: dict[Any, tuple[Any, Any]] = {}  # dtype -> (MPI datatype of a pair, its product)
+
+
+def _pair_product(dtype: np.dtype) -> tuple[Any, Any]:
+    """**Returns:** the MPI datatype of one (value, derivative) pair of `dtype` and the
+    MPI operation that multiplies such pairs by the product rule, made once per dtype."""
+    found = _PAIRS.get(dtype)
+    if found is None:
+        MPI = mpi()
+
+        def multiply(into: Any, inout: Any, datatype: Any) -> None:
+            a = np.frombuffer(into, dtype).reshape(-1, 2)
+            b = np.frombuffer(inout, dtype).reshape(-1, 2)
+            b[:, 1] = a[:, 0] * b[:, 1] + a[:, 1] * b[:, 0]
+            b[:, 0] *= a[:, 0]
+
+        pair = MPI.BYTE.Create_contiguous(2 * dtype.itemsize).Commit()
+        found = _PAIRS[dtype] = (pair, MPI.Op.Create(multiply, commute=True))
+    return found
+
+
+def _exclusive_pairs(comm: Any, pairs: np.ndarray) -> np.ndarray:
+    """**Returns:** the exclusive prefix product of (value, derivative) `pairs` (the
+    last axis) over `comm`'s ranks; (1, 0) on its first rank."""
+    datatype, op = _pair_product(pairs.dtype)
+    out = np.zeros_like(pairs)
+    out[..., 0] = 1
+    count = pairs.size // 2
+    comm.Exscan([pairs, count, datatype], [out, count, datatype], op=op)
+    if comm.Get_rank() == 0:
+        out[..., 0], out[..., 1] = 1, 0
+    return out
+
+
 def _reversed(comm: Any) -> Any:
     """**Returns:** the operator's private communicator with its ranks reversed (see
     `_comm.reversed_ranks`): a method's `comm` wraps the private one (`raw`)."""
@@ -62,6 +110,9 @@ class Allreduce(DistributedOperator):
     The VJP of max and min issues two Allreduces (the extreme and the rank that owns
     it), the JVP three; that of prod two exclusive prefix products (`Exscan`), over the
     ranks and over the ranks in reverse order (a communicator made once, `Split`).
+    Second derivatives: max and min are linear where they are differentiable (their
+    `hvp` is zero, with no communication); prod's `hvp` takes two exclusive prefix
+    products of (value, derivative) pairs.
 
     **Arguments:**
     - `op`: `"sum"` (default), `"max"`, `"min"` or `"prod"`.
@@ -84,9 +135,11 @@ class Allreduce(DistributedOperator):
     forward_collectives = ("Allreduce",)
     vjp_collectives = ("Allreduce", "Exscan", "Split")
     jvp_collectives = ("Allreduce", "Exscan", "Split")
+    hvp_collectives = ("Exscan", "Split")
     batched_forward = True
     batched_vjp = True
     batched_jvp = True
+    batched_hvp = True
 
     @property
     def _blocks_in(self) -> bool:
@@ -150,6 +203,12 @@ class Allreduce(DistributedOperator):
         out = np.empty_like(share)
         comm.Allreduce(np.ascontiguousarray(share), out, op=mpi().SUM)
         return out
+
+    def hvp(self, comm: Any, y_bar: np.ndarray, tangent: np.ndarray, x: np.ndarray, *,
+            batched: bool = False) -> np.ndarray:
+        if self.op != "prod":  # (the sum is linear, max and min piecewise linear)
+            return np.zeros(np.broadcast_shapes(y_bar.shape, x.shape), y_bar.dtype)
+        return y_bar * _others_product_derivative(comm, x, tangent)
 
 
 def _suffix_sum(comm: Any, y_bar: np.ndarray, inclusive: bool) -> np.ndarray:

@@ -29,9 +29,10 @@ from .layout import Layout, TracingInputs, seeds, tangent_seeds, unit_seeds
 from .packing import pack, unpack_plan
 from .schedule import ScheduleEntry
 from .stages import nested
-from .tracing import FDOptions, TotalsOptions, build
+from .tracing import FDOptions, HvpOptions, TotalsOptions, build
 
-Options = TotalsOptions | FDOptions | tuple[()]  # what selects an entry point's program
+# what selects an entry point's program
+Options = TotalsOptions | FDOptions | HvpOptions | tuple[()]
 
 
 class Traced(NamedTuple):

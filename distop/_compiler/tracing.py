@@ -32,6 +32,14 @@ class FDOptions(NamedTuple):
     method: str = "fd"  # "fd" (finite differences) or "cs" (complex step)
 
 
+class HvpOptions(NamedTuple):
+    """What selects a Hessian-vector product program besides its layout."""
+
+    of: str  # the scalar output
+    wrt: tuple[str, ...]  # input names
+    directions: bool  # whether the tangents carry a leading axis of directions
+
+
 def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:
     """**Returns:** the model's outputs at `point`, checked to be a dict of arrays."""
     out = model(**point)
@@ -58,6 +66,8 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
 
     if name == "run":
         return lambda point: call_model(model, point)
+    if name == "compute_hvp":
+        return _hvp(model, HvpOptions(*options), batch)
     if name == "fd":
         def perturbed(point: dict[str, Any], deltas: dict[str, Any]) -> Any:
             with complex_step(options[3] == "cs"):
@@ -103,6 +113,39 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
                 **{("total", k): v for k, v in cts.items()}}
 
     return totals
+
+
+def _hvp(model: Callable[..., Any], options: HvpOptions,
+         batch: Callable[[Callable[[Any], Any], Any], Any]) -> Callable[..., Any]:
+    """The function of `compute_hvp`: the gradient of the inner product of the output's
+    gradient with the tangent (reverse over forward: per operator call a forward, a
+    `jvp`, an `hvp` and a `vjp` call, and no gradient computed for nothing), for every
+    direction at once where the tangents carry a leading axis of them."""
+    of, wrt, directions = options
+
+    def hvp(point: dict[str, Any], tangents: dict[str, Any]) -> dict[str, Any]:
+        diff = {k: point[k] for k in wrt}
+        rest = {k: v for k, v in point.items() if k not in diff}
+
+        def value(d: dict[str, Any]) -> Any:
+            return call_model(model, {**rest, **d})[of]
+
+        def along(tangent: dict[str, Any]) -> dict[str, Any]:
+            def slope(d: dict[str, Any]) -> Any:
+                session = _ffi.session()
+                if session is None:
+                    return jax.jvp(value, (d,), (tangent,))[1]
+                # (the lean path's token leaves jax.jvp as an output of its own)
+                (_, session.token), (dot, _) = jax.jvp(
+                    lambda d: (value(d), session.token), (d,), (tangent,))
+                return dot
+
+            out, back = pullback(slope, diff)
+            return back(jnp.ones_like(out))[0]
+
+        return batch(along, tangents) if directions else along(tangents)
+
+    return hvp
 
 
 def linearized(fn: Callable[[Any], Any], diff: dict[str, Any],

@@ -79,9 +79,13 @@ class HostCall(HostCallable):
         """
         self.spec = spec
         self.op, self.phase, self.comm = spec.op, spec.phase, spec.comm
-        self.ordered, self.lean = spec.ordered, spec.lean
+        # (a `jvp2` call is never run: unordered and off the chain, so that JAX drops
+        # it where nothing reads it; see `CallSpec`)
+        runs = spec.phase != "jvp2"
+        self.ordered, self.lean = spec.ordered and runs, spec.lean and runs
         self.batch_shape, self.levels = spec.batch_shape, spec.levels
         self.slots, self.n_slots, self.n_linear = spec.slots, spec.n_slots, spec.n_linear
+        self._n_cotangents = len(spec.out_specs) if spec.phase == "hvp" else None
         self.result_specs, self.n_user_results = spec.result_specs, spec.n_user_results
         self.function, self.where, self.declared = spec.function, spec.where, spec.declared
         self.batched, takes_flag, self.takes_out, _ = spec.method
@@ -247,6 +251,10 @@ class HostCall(HostCallable):
         linear: list[np.ndarray | None] = [None] * self.n_slots
         for slot, a in zip(self.slots, args):
             linear[slot] = a
+        if self._n_cotangents is not None:  # (hvp: the cotangent, then the tangent)
+            parts = (linear[:self._n_cotangents], linear[self._n_cotangents:])
+            pair = [tuple(p) if len(p) > 1 else p[0] for p in parts]
+            return self.function(self.op, comm, *pair, *args[self.n_linear:], **kwargs)
         given = tuple(linear) if self.n_slots > 1 else linear[0]
         return self.function(self.op, comm, given, *args[self.n_linear:], **kwargs)
 
@@ -384,7 +392,7 @@ class HostCall(HostCallable):
                    if isinstance(result, (tuple, list)) else type(result).__name__)
             raise OperatorError(self.say(
                 f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
-                + ("input" if self.phase == "vjp" else "output")))
+                + ("input" if self.phase in ("vjp", "hvp") else "output")))
         checked = []
         for k, shape, dtype in self._expected:
             r = result[k]
@@ -428,7 +436,8 @@ class HostCall(HostCallable):
     def _describe(self, row: tuple[int, ...] | None) -> tuple[str, str]:
         """**Returns:** (where in the batch, what the results are), for messages."""
         return ("" if row is None else f" (batch row {row})",
-                {"vjp": "input cotangent", "jvp": "output tangent"}.get(self.phase, "output"))
+                {"vjp": "input cotangent", "hvp": "input cotangent",
+                 "jvp": "output tangent"}.get(self.phase, "output"))
 
     def say(self, text: str) -> str:
         """**Returns:** `text` after the method and rank it is of, for messages."""

@@ -48,9 +48,15 @@ def _method_info(cls: type, phase: str) -> MethodInfo:
 def _sides(phase: str, in_specs: Specs, out_specs: Specs) -> tuple[Specs, Specs]:
     """**Returns:** (the specs of the values a `phase` method takes (co)tangents of, those
     of the values it returns): none and the outputs (`forward`), the inputs and the
-    outputs (`jvp`), the outputs and the inputs (`vjp`)."""
+    outputs (`jvp`), the outputs and the inputs (`vjp`), the outputs and inputs (the
+    cotangent and the tangent) and the inputs (`hvp`), the inputs twice (the tangent and
+    the direction it is differentiated in) and the outputs (`jvp2`)."""
     if phase == "forward":
         return (), out_specs
+    if phase == "hvp":
+        return out_specs + in_specs, in_specs
+    if phase == "jvp2":
+        return in_specs + in_specs, out_specs
     return (in_specs, out_specs) if phase == "jvp" else (out_specs, in_specs)
 
 
@@ -75,13 +81,18 @@ def _derived_values(spec: "CallSpec") -> dict[str, Any]:
     picks = None if phase == "forward" else _inexact(returned)
     result_specs = returned if picks is None else tuple(returned[k] for k in picks)
     arg_specs = tuple(linear[i] for i in slots) + spec.in_specs
-    method = _method_info(cls, phase)
-    label = getattr(cls, "phase_labels", {}).get(phase, phase)
+    # (`jvp2` is never run: see `CallSpec`)
+    method = _method_info(cls, phase) if phase != "jvp2" else MethodInfo(False, False,
+                                                                        False, False)
+    first = len(_inexact(spec.out_specs if phase == "hvp" else spec.in_specs))
+    named = "jvp" if phase == "jvp2" else phase  # (a jvp2 call is its jvp's derivative)
+    label = getattr(cls, "phase_labels", {}).get(named, named)
     return {
         "slots": slots, "n_slots": len(linear), "n_linear": n_linear,
+        "n_first": first if phase in ("hvp", "jvp2") else n_linear,
         "result_picks": picks, "result_specs": result_specs,
         "n_user_results": len(returned), "arg_specs": arg_specs,
-        "function": getattr(cls, phase), "method": method,
+        "function": getattr(cls, phase, None), "method": method,
         "label": label, "where": f"{cls.__name__}.{label}",
         "declared": tuple(getattr(cls, phase + "_collectives", ())),
         "expected_results": tuple(
@@ -103,7 +114,11 @@ class CallSpec:
 
     **Arguments:**
     - `op`: the `DistributedOperator`.
-    - `phase`: `"forward"`, `"jvp"` or `"vjp"`.
+    - `phase`: `"forward"`, `"jvp"`, `"vjp"` or `"hvp"`; or `"jvp2"`, the derivative
+      of a `jvp` call with respect to its inputs, which is never run (forward mode over
+      forward mode is refused) but transposes into an `hvp` call. A `jvp2` call's
+      `ordered` and `lean` are those of the `hvp` call it transposes into (see
+      `HostCall`: it runs neither ordered nor lean).
     - `comm`: the private communicator handed to user code.
     - `ordered`: whether the call is ordered (and so may communicate).
     - `in_specs`, `out_specs`: the operator's unbatched input and output
@@ -122,6 +137,9 @@ class CallSpec:
       floating-point inputs (`jvp`) or outputs (`vjp`); none for `forward`.
     - `n_slots`: the (co)tangents the method takes, integer ones (None) included.
     - `n_linear`: the (co)tangent arguments XLA passes, before the inputs.
+    - `n_first`: of those, the first group's: an `hvp` call's cotangents (then come
+      its tangents), a `jvp2` call's tangents (then come its directions); `n_linear`
+      for the other phases.
     - `result_picks`: the method's results that XLA receives, as indices of its
       floating-point ones; None for `forward` (every one).
     - `result_specs`, `arg_specs`: the unbatched specs of the results XLA receives and
@@ -158,6 +176,7 @@ class CallSpec:
     slots: tuple[int, ...] = _derived()
     n_slots: int = _derived()
     n_linear: int = _derived()
+    n_first: int = _derived()
     result_picks: tuple[int, ...] | None = _derived()
     result_specs: Specs = _derived()
     n_user_results: int = _derived()

@@ -229,7 +229,11 @@ def _wrappers(cls: type[ImplicitOperator]) -> tuple[type, type]:
         "vjp_collectives": adjoint,
         "jvp_collectives": adjoint,
         "batched_vjp": bool(cls.batched_adjoint or cls.batched_vjp),
-        "missing_methods": {}}
+        "missing_methods": {"hvp": (
+            f"{cls.__name__} is an implicit operator, whose second derivatives are not "
+            "available: its adjoint and linear solves are not differentiated again. "
+            "Differentiate through it once, or write the map as an explicit operator "
+            "with jvp and hvp")}}
     # A missing method: the phase stays the base class's, which distop reports as
     # missing (naming the user's method) before any rank runs the program.
     if missing_reverse:

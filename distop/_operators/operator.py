@@ -24,16 +24,19 @@ class DistributedOperator(eqx.Module):
     """Base class of a differentiable operator whose methods may use MPI.
 
     Subclasses implement `forward` and `vjp` with numpy/scipy and mpi4py, and declare
-    the communication each method makes.
+    the communication each method makes; `jvp` (forward mode) and `hvp` (second
+    derivatives) are optional.
     Calling an instance, `op(x, ...)`, works in any JAX code: `jit`, `grad`, `vjp`,
     `jacrev`, `vmap`, `lax.scan`, `lax.fori_loop`.
     A subclass without `forward` raises `MissingMethodError` when called.
 
     Class attributes (a subclass sets them in its body):
-    - `forward_collectives`, `vjp_collectives`, `jvp_collectives`: the mpi4py
+    - `forward_collectives`, `vjp_collectives`, `jvp_collectives`, `hvp_collectives`:
+      the mpi4py
       communicator methods each method calls, e.g. `("Allreduce",)` or `("Sendrecv",)`;
       empty means purely local.
-    - `batched_forward`, `batched_vjp`, `batched_jvp`: True if the method accepts a
+    - `batched_forward`, `batched_vjp`, `batched_jvp`, `batched_hvp`: True if the
+      method accepts a
       leading batch axis on every argument (and returns one), so a whole batch costs one
       collective. Otherwise distop calls it once per batch row, in a fixed order, in one
       callback. A batched method may take a keyword `batched` telling whether the axis
@@ -49,7 +52,8 @@ class DistributedOperator(eqx.Module):
       token.
     - `linear`: True if `forward` is linear in its floating-point inputs together
       (f(a x + b y) = a f(x) + b f(y)). `jax.linear_transpose` then transposes a call
-      into a `vjp` call (at zero inputs). Default False.
+      into a `vjp` call (at zero inputs), and second derivatives need no `hvp` (the
+      second derivative of a linear map is zero). Default False.
     - `complex_step`: True if `forward`, given complex inputs, computes the same
       formulas on them and returns complex outputs (no `abs`, `conj`, `real` or
       comparisons of them). `check_totals(method="cs")` may then perturb it along the
@@ -120,9 +124,11 @@ class DistributedOperator(eqx.Module):
     forward_collectives: ClassVar[tuple[str, ...]] = ()
     vjp_collectives: ClassVar[tuple[str, ...]] = ()
     jvp_collectives: ClassVar[tuple[str, ...]] = ()
+    hvp_collectives: ClassVar[tuple[str, ...]] = ()
     batched_forward: ClassVar[bool] = False
     batched_vjp: ClassVar[bool] = False
     batched_jvp: ClassVar[bool] = False
+    batched_hvp: ClassVar[bool] = False
     unbatched: ClassVar[str] = "broadcast"
     linear: ClassVar[bool] = False
     complex_step: ClassVar[bool] = False
@@ -188,6 +194,38 @@ class DistributedOperator(eqx.Module):
         """
         raise MissingMethodError(missing(self, "jvp"))
 
+    @unimplemented
+    def hvp(self, comm: Any, y_bar: Any, tangent: Any, *inputs: Any,
+            **keywords: Any) -> Any:
+        """Differentiate `vjp` with respect to the inputs, along a tangent (optional).
+
+        It enables second derivatives (`jax.hessian`, `jax.jvp` of `jax.grad`, `jax.grad`
+        of `jax.grad` or of `jax.jvp`, `Problem.compute_hvp`), together with `jvp`. Where
+        `forward` is y = f(x), it returns the sum over the outputs' entries i of
+        `y_bar[i]` times the Hessian of y[i] with respect to the inputs, applied to
+        `tangent`: the derivative of `vjp(comm, y_bar, *inputs)` along `tangent`. This
+        weighted Hessian is symmetric, which distop relies on to transpose the call into
+        itself. An operator with `linear = True` needs none.
+
+        **Arguments:**
+        - `comm`: the operator's private communicator.
+        - `y_bar`: the output cotangent, as `vjp` takes it (a tuple for several
+          outputs).
+        - `tangent`: the input tangent, as `jvp` takes it (a tuple for several inputs;
+          None for integer inputs).
+        - `inputs`: the inputs of the matching forward call.
+        - `keywords`: `batched` and `out`, where the method takes them (see the class
+          docstring); with `batched_hvp = True`, `y_bar` and `tangent` carry the
+          leading batch axis.
+
+        **Returns:** what `vjp` returns: one array per input, a tuple for several (None
+        for an integer input).
+
+        **Raises:** `MissingMethodError` here, in the base class: second derivatives
+        through a nonlinear operator need it.
+        """
+        raise MissingMethodError(missing(self, "hvp"))
+
     def output_spec(self, *input_specs: Any) -> Any:
         """The shapes and dtypes of the outputs.
 
@@ -206,7 +244,8 @@ class DistributedOperator(eqx.Module):
         explicit = explicit_order(self)
         if explicit is not None:
             return explicit
-        if not (self.forward_collectives or self.vjp_collectives or self.jvp_collectives):
+        if not (self.forward_collectives or self.vjp_collectives or self.jvp_collectives
+                or self.hvp_collectives):
             return False
         return _comm.private(self.comm).Get_size() > 1
 

@@ -71,17 +71,24 @@ def missing(op: Any, phase: str) -> str:
 
     **Arguments:**
     - `op`: the operator.
-    - `phase`: `"jvp"` or `"vjp"`.
+    - `phase`: `"jvp"`, `"vjp"` or `"hvp"`.
 
     **Returns:** the message, naming the method and the computations that need it.
     """
     custom = getattr(type(op), "missing_methods", {}).get(phase)
     if custom:  # (a class that names the method of its own that is missing)
         return custom
+    name = type(op).__name__
+    if phase == "hvp":
+        return (f"{name} does not implement hvp(self, comm, y_bar, tangent, *inputs), "
+                "which second derivatives through it (jax.hessian, jax.jvp of jax.grad, "
+                "jax.grad of jax.grad or of jax.jvp, Problem.compute_hvp) need. Add it "
+                f"to {name} (the derivative of its vjp along the tangent), or declare "
+                "linear = True if its forward is linear.")
     mode = ("forward mode (jax.jvp, jacfwd, compute_totals(direction='fwd'))"
             if phase == "jvp"
             else "reverse mode (grad, vjp, jacrev, compute_totals)")
-    return (f"{type(op).__name__} does not implement {phase}(self, comm, "
+    return (f"{name} does not implement {phase}(self, comm, "
             f"{'tangent' if phase == 'jvp' else 'cotangent'}, *inputs), which {mode} needs.")
 
 
@@ -92,8 +99,37 @@ def _require(op: Any, phase: str) -> None:
 
 
 def _require_method(call: HostCall) -> None:
-    if call.phase in ("jvp", "vjp"):
+    if call.phase in ("jvp", "vjp", "hvp"):
         _require(call.op, call.phase)
+    elif call.phase == "jvp2":
+        raise SecondDerivativeError(_forward_over_forward(call))
+
+
+def _forward_over_forward(call: HostCall) -> str:
+    """**Returns:** the message of a `jvp2` call evaluated: forward mode over forward
+    mode, which distop does not offer."""
+    name = type(call.op).__name__
+    return (f"{name}.jvp on rank {_rank(call)}: forward mode over forward mode "
+            "(jax.jacfwd of jax.jacfwd, jax.jvp of jax.jvp) is not available: it needs "
+            f"the derivative of {name}.jvp with respect to the inputs. Use jax.hessian "
+            "or jax.jvp of jax.grad instead (forward over reverse), which use its hvp.")
+
+
+def _lacks_hvp(call: HostCall) -> str:
+    """**Returns:** the message of a second derivative through an operator without
+    `hvp`, naming `jvp` first where that is missing too (every second derivative needs
+    it)."""
+    where = f"{call.where} on rank {_rank(call)}: "
+    if implements(call.op, "jvp") or getattr(type(call.op), "missing_methods", {}).get("hvp"):
+        return where + missing(call.op, "hvp")
+    name = type(call.op).__name__
+    return (where + f"{name} does not implement jvp(self, comm, tangent, *inputs), which "
+            "second derivatives through it need, besides hvp(self, comm, y_bar, "
+            "tangent, *inputs) (or linear = True where its forward is linear).")
+
+
+def _rank(call: HostCall) -> int:
+    return call.comm.Get_rank() if call.comm is not None else 0
 
 
 # -- binding ---------------------------------------------------------------------------
@@ -176,30 +212,65 @@ mlir.register_lowering(host_call_p, _lowering)
 # -- differentiation ---------------------------------------------------------------------
 def _jvp_of_derivative(primals: Sequence[Any], tangents: Sequence[Any],
                        call: HostCall) -> tuple[list[Any], list[Any]]:
-    """The JVP of a `jvp` or `vjp` call: linear in its (co)tangents, which gives another
-    call of its phase (not on the lean path); the part from its inputs' tangents is a
-    derivative of a derivative, which raises where it is evaluated (see
-    second_derivative.py), so one traced and discarded is no error."""
+    """The JVP of a `jvp`, `vjp`, `hvp` or `jvp2` call.
+
+    A `jvp` or `vjp` call is linear in its (co)tangents, which gives another call of
+    its phase; the part from its inputs' tangents is a second derivative: none for a
+    linear operator, an `hvp` call for a `vjp` call, a `jvp2` call for a `jvp` call
+    (which is never run, but transposes into an `hvp` call). An operator without `hvp`
+    gets values that raise where they are evaluated (see second_derivative.py), so one
+    traced and discarded is no error; so do third derivatives. On the lean path the
+    new calls read the token after the call without moving it on, as a forward call's
+    `jvp` call does (see `_tangents_out`)."""
     outs = host_call_p.bind(*primals, call=call)
-    avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
-    nonzero = [t for t in tangents if type(t) is not ad.Zero]
+    token = outs[0] if call.lean else None
     if call.lean:
-        message = f"{call.where}: derivatives of a derivative are not available on the lean path."
-        return outs, [ad.Zero(_token_aval().to_tangent_aval()),
-                      *refused(message, nonzero, avals)]
+        primals, tangents = primals[1:], tangents[1:]
+    avals = [ShapedArray(s.shape, s.dtype) for s in call.shapes()]
     linear, inputs = tangents[:call.n_linear], tangents[call.n_linear:]
-    found = None
-    if any(type(t) is not ad.Zero for t in linear):
-        found = host_call_p.bind(*map(ad.instantiate_zeros, linear),
-                                 *primals[call.n_linear:], call=call)
+    moving = [t for t in linear if type(t) is not ad.Zero]
     varying = [t for t in inputs if type(t) is not ad.Zero]
-    if varying:
-        message = (f"{call.where}: derivatives of a derivative with respect to the inputs "
-                   "are not available.")
-        second = refused(message, varying, avals)
-        found = second if found is None else [a + b for a, b in zip(found, second)]
-    assert found is not None  # (JAX asks for a JVP only where some tangent is not zero)
-    return outs, found
+    found: list[Any] | None = None
+    if call.phase in ("hvp", "jvp2"):
+        message = (f"{call.where} on rank {_rank(call)}: third derivatives (derivatives "
+                   "of a second derivative) are not available.")
+        found = refused(message, moving + varying, avals)
+    else:
+        if moving:
+            found = _bind_reading(call, token, [*map(ad.instantiate_zeros, linear),
+                                                *primals[call.n_linear:]])
+        if varying and not type(call.op).is_linear(call.op):
+            second = _second(call, token, primals, inputs, varying, avals)
+            found = second if found is None else [a + b for a, b in zip(found, second)]
+    if found is None:  # (a linear operator's derivative along its inputs: zero)
+        found = [ad.Zero(a.to_tangent_aval()) for a in avals]
+    return outs, ([ad.Zero(_token_aval().to_tangent_aval()), *found] if call.lean
+                  else list(found))
+
+
+def _bind_reading(call: HostCall, token: Any, args: Sequence[Any]) -> list[Any]:
+    """Bind `call`, a derivative of a call on the chain; on the lean path it reads
+    `token`, the token after that call, and leaves the chain as it is (the program's
+    rewrite threads it, see _compiler/stages/nested.py)."""
+    if call.lean and _ffi.session() is None:
+        call = call.unleaned()
+    if call.lean:
+        return host_call_p.bind(token, *args, call=call)[1:]
+    return host_call_p.bind(*args, call=call)
+
+
+def _second(call: HostCall, token: Any, primals: Sequence[Any], inputs: Sequence[Any],
+            varying: Sequence[Any], avals: Sequence[ShapedArray]) -> list[Any]:
+    """The derivative of a `jvp` or `vjp` call along its inputs' tangents `inputs`: a
+    `jvp2` call, or an `hvp` call (values that raise where `hvp` is missing)."""
+    n, diff = call.n_linear, _diff(call.in_specs)
+    levels = [*call.levels[:n], *(call.levels[n + i] for i in diff)]
+    args = [*primals[:n], *(ad.instantiate_zeros(inputs[i]) for i in diff), *primals[n:]]
+    if call.phase == "jvp":  # (refused where it is run; transposed into an hvp call)
+        return host_call_p.bind(*args, call=call.with_phase("jvp2", levels))
+    if not implements(call.op, "hvp"):
+        return refused(_lacks_hvp(call), varying, avals)
+    return _bind_reading(call.with_phase("hvp", levels), token, args)
 
 
 def _tangents_out(call: HostCall, token: Any, inputs: Sequence[Any],
@@ -348,6 +419,9 @@ def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
         return [None] * len(args)
     if call.lean:
         args, cts = args[1:], cts[1:]
+    if call.phase in ("hvp", "jvp2"):
+        results = _transpose_second(cts, args, call)
+        return [None] + results if call.lean else results
     inputs = args[call.n_linear:]
     if any(ad.is_undefined_primal(x) for x in inputs):
         raise SecondDerivativeError(f"{call.where}: derivatives of a derivative with "
@@ -366,6 +440,44 @@ def _transpose(cts: Sequence[Any], *args: Any, call: HostCall) -> list[Any]:
 
 
 ad.primitive_transposes[host_call_p] = _transpose
+
+
+def _transpose_second(cts: Sequence[Any], args: Sequence[Any], call: HostCall) -> list[Any]:
+    """The transpose of an `hvp` call along its tangents (the weighted Hessian is
+    symmetric: the same call on the cotangents), or of a `jvp2` call along its
+    directions (an `hvp` call, with the cotangents in the outputs' place), given the
+    `args` without the token.
+
+    **Returns:** the cotangents of `args`.
+    """
+    n, first = call.n_linear, call.spec.n_first
+    fixed, moving, inputs = args[:first], args[first:n], args[n:]
+    if any(ad.is_undefined_primal(x) for x in (*fixed, *inputs)):
+        raise SecondDerivativeError(f"{call.where} on rank {_rank(call)}: third "
+                                    "derivatives (derivatives of a second derivative) are "
+                                    "not available.")
+    undefined = [ad.is_undefined_primal(x) for x in moving]
+    cts = [ad.instantiate_zeros(c) for c in cts]
+    if not implements(call.op, "hvp"):  # (a jvp2 call: its values raise where evaluated)
+        found = iter(refused(_lacks_hvp(call), cts,
+                             [x.aval for x, u in zip(moving, undefined) if u]))
+        results = [next(found) if u else None for u in undefined]
+        return [None] * first + results + [None] * len(inputs)
+    full = [(True,) * len(call.batch_shape)] * len(cts)
+    if call.phase == "hvp":
+        hvp = call.with_phase("hvp", [*call.levels[:first], *full])
+        found = iter(bind_call(hvp, [*fixed, *cts, *inputs]))
+    else:
+        hvp = call.with_phase("hvp", [*full, *call.levels[:first]])
+        found = iter(bind_call(hvp, [*cts, *fixed, *inputs]))
+    results = []
+    for k, u in enumerate(undefined):
+        result = next(found)
+        # A tangent without some batch axis receives the sum over it.
+        unbatched = tuple(b for b, on in enumerate(call.levels[first + k]) if not on)
+        result = jnp.sum(result, axis=unbatched) if unbatched and u else result
+        results.append(result if u else None)
+    return [None] * first + results + [None] * len(inputs)
 
 
 def _diff(specs: Sequence[jax.ShapeDtypeStruct]) -> list[int]:

@@ -155,3 +155,52 @@ def moved(method: str, inputs: Any, current: dict, copy: bool | None,
     except (TypeError, ValueError) as err:
         return current, err
     return point, None
+
+
+def hvp_tangents(method: str, wrt: tuple, tangent: Any, point: dict,
+                 ) -> tuple[dict, int | None]:
+    """`compute_hvp`'s `tangent`, checked against the inputs `wrt` at `point`.
+
+    **Arguments:**
+    - `method`: the call, for messages.
+    - `wrt`: the input names, checked.
+    - `tangent`: what was passed: a dict of name -> array shaped like this rank's value
+      of the input, or with a leading axis of directions, the same for every name.
+    - `point`: the current point.
+
+    **Returns:** (name -> C-contiguous array in the input's dtype, in the order of
+    `wrt`; the number of directions, or None where there is no axis of them).
+    """
+    if not isinstance(tangent, dict):
+        raise TypeError(f"{method}(tangent=...): expected a dict of input name -> array; "
+                        f"got a {type(tangent).__name__}.")
+    if set(tangent) != set(wrt):
+        raise ValueError(f"{method}(tangent=...): its names {sorted(map(str, tangent))} "
+                         f"are not those of wrt, {list(wrt)}; pass one array per input "
+                         "of wrt.")
+    found: dict = {}
+    counts: set[int | None] = set()
+    for name in wrt:
+        value, want = np.asarray(tangent[name]), point[name]
+        if not np.issubdtype(value.dtype, np.number) or (
+                np.iscomplexobj(value) and not np.iscomplexobj(want)):
+            raise TypeError(f"{method}(tangent={{'{name}': ...}}): got {value.dtype} "
+                            f"values for a {want.dtype} input; pass {want.dtype} ones.")
+        if value.shape == want.shape:
+            counts.add(None)
+        elif value.shape[1:] == want.shape and value.ndim == want.ndim + 1:
+            counts.add(value.shape[0])
+        else:
+            raise ValueError(
+                f"{method}(tangent={{'{name}': ...}}): shape {value.shape}; expected "
+                f"{want.shape} (this rank's value of the input) or (K, *{want.shape}) "
+                "for K directions at once.")
+        found[name] = np.array(value, dtype=want.dtype, order="C")  # (0-d stays 0-d)
+    if len(counts) > 1:
+        raise ValueError(f"{method}(tangent=...): some arrays have a leading axis of "
+                         "directions and some do not, or their numbers differ; give "
+                         "every input the same number of directions.")
+    directions = counts.pop()
+    if directions == 0:
+        raise ValueError(f"{method}(tangent=...): no directions (a leading axis of 0).")
+    return found, directions

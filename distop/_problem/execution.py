@@ -1,6 +1,7 @@
 """Running a program: the token, the count of host calls, errors, and the results."""
 
 import threading
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +35,10 @@ class Executor:
         self.calls = 0.0  # the token's value: lean host calls run so far
         self.on_device = DeviceCache()
 
-    def __call__(self, program: Program, point: dict) -> dict:
-        """Run `program` at `point`.
+    def __call__(self, program: Program, point: dict,
+                 extra: tuple[Any, ...] | None = None) -> dict:
+        """Run `program` at `point`; `extra`: the arguments after the point, where they
+        change from call to call (default: the program's own, made once).
 
         **Returns:** its results, unpacked (name -> read-only numpy view).
 
@@ -44,7 +47,7 @@ class Executor:
         """
         with _RUNNING:
             try:
-                return self._run(program, point)
+                return self._run(program, point, extra)
             except (JaxRuntimeError, ValueError) as err:
                 # A host call's error: JAX raises ValueError where its C++ dispatch runs
                 # the program (as of jax 0.10.2), else JaxRuntimeError; with its text.
@@ -56,7 +59,7 @@ class Executor:
                     raise cause from cause.__cause__
                 raise
 
-    def _run(self, program: Program, point: dict) -> dict:
+    def _run(self, program: Program, point: dict, extra: tuple[Any, ...] | None) -> dict:
         """`__call__` without the translation of host calls' errors."""
         coordinator = self.coordinator
         profile = _profile.active
@@ -64,7 +67,8 @@ class Executor:
             profile.program_started(program.entry)
         coordinator.offer(program.makes_agreement)
         try:
-            *packed, token = program.fn(self.token, self.on_device(point), *program.extra)
+            *packed, token = program.fn(self.token, self.on_device(point),
+                                        *(program.extra if extra is None else extra))
             if offered() is not None:
                 # Not made yet: with JAX's async dispatch the program may still run
                 # on an XLA thread, and its first host call must find the agreement.

@@ -17,7 +17,7 @@ from .._agreement.coordinator import Coordinator, Failure, stable_hash
 from .._compiler.layout import Layout
 from .._compiler.programs import Program, Programs
 from .._compiler.schedule import ScheduleEntry
-from .._compiler.tracing import FDOptions, TotalsOptions
+from .._compiler.tracing import FDOptions, HvpOptions, TotalsOptions
 from .._config import env_flag
 from .._diagnostics import profile as _profile
 from .._errors import (
@@ -31,7 +31,16 @@ from .._inference.transform import Inference
 from .._totals import assembly as _assembly
 from .._totals import replicated as _replicated
 from .._totals import totals as _totals
-from .arguments import DIRECTIONS, FORMATS, MODES, cache_size, check_arguments, check_names, moved
+from .arguments import (
+    DIRECTIONS,
+    FORMATS,
+    MODES,
+    cache_size,
+    check_arguments,
+    check_names,
+    hvp_tangents,
+    moved,
+)
 from .execution import Executor
 from .inputs import empty
 
@@ -361,6 +370,73 @@ class Problem:
         return totals
 
     @_one_at_a_time
+    def compute_hvp(self, of: str, wrt: Names, tangent: dict[str, Any],
+                    ) -> dict[str, np.ndarray]:
+        """Hessian-vector products of a scalar output, at the current point.
+
+        The derivative of the gradient of `of` with respect to the inputs `wrt`, along
+        `tangent`: H t, H being the Hessian of `of` with respect to `wrt` together. Every
+        operator on the path needs `vjp`, `jvp` and (unless linear) `hvp`. With K
+        directions, all of them run in one program: one call of each operator method,
+        one collective each, for all K.
+
+        **Arguments:**
+        - `of`: the name of a scalar floating-point output.
+        - `wrt`: an input name or several.
+        - `tangent`: dict of `wrt` name -> array shaped like the input (this rank's
+          block for a distributed input), or with a leading axis of K directions, the
+          same K for every name.
+
+        **Returns:** dict of `wrt` name -> numpy array shaped like its tangent: this
+        rank's block for a distributed input, the whole product (the same on every
+        rank) for a replicated one. The arrays are read-only views of the program's
+        results.
+
+        **Raises:** `ValueError` for an unknown name, an output that is not a scalar, or
+        tangents of the wrong shapes; `TypeError` for tangents of the wrong dtype. An
+        argument refused on some ranks raises its own error there, and a `DistopError`
+        naming it on the others. `MissingMethodError` naming an operator without the
+        `jvp` the products need, `SecondDerivativeError` one without `hvp`. A
+        `DistopError` on every rank where the products for a replicated input differ
+        between ranks.
+        """
+        method = "compute_hvp"
+        if not isinstance(of, str):
+            raise TypeError(f"{method}(of={of!r}): expected the name of one scalar output.")
+        key = _totals.request_key
+        names = [wrt] if isinstance(wrt, str) else wrt
+        refused: BaseException | None = None
+        try:
+            checked = check_names(method, "wrt", names, self.input_names, self.input_names)
+            tangents, count = hvp_tangents(method, checked, tangent, self._point)
+        except (TypeError, ValueError) as err:
+            refused, tangents, count = err, {}, None
+        count_key = count if count is not None or refused is None else "refused"
+
+        def attempt() -> tuple[Program, dict[str, Any]]:
+            request = (method, key(of, names=True), key(names, names=True), key(count_key))
+            layout = self._programs.layout(self._point, request, refused, may_defer=True,
+                                           current=self._point)
+            ins = check_names(method, "wrt", names, self.input_names,
+                              layout.differentiable["inputs"])
+            (out,) = check_names(method, "of", of, self.output_names,
+                                 layout.differentiable["outputs"])
+            if layout.outputs[out].shape != () or out in self.distributed:
+                raise ValueError(f"{method}(of={of!r}): output {out!r} has shape "
+                                 f"{layout.outputs[out].shape}; expected a scalar (a "
+                                 "replicated 0-d output). Sum or reduce it in the model.")
+            program = self._programs.program(method, HvpOptions(out, ins, count is not None),
+                                             layout, make_extra=lambda: (tangents,))
+            found = self._executor(program, self._point, (tangents,))
+            if _assembly.unchecked(program, "global"):
+                _assembly.check_replicated_totals(
+                    self.comm, layout, {(out, w): found[w] for w in ins}, "global")
+                program.totals_checked.add("global")
+            return program, found
+
+        return self._coordinator.retry_if_missed(attempt)[1]
+
+    @_one_at_a_time
     def run_and_compute_totals(
             self, of: Names = None, wrt: Names = None, *, inputs: dict[str, Any] | None = None,
             mode: str = "batched", return_format: str = "global", direction: str = "rev",
@@ -484,6 +560,64 @@ class Problem:
                                     show_only_incorrect=show_only_incorrect,
                                     progress=progress)
 
+
+    @_one_at_a_time
+    def check_hvp(self, of: str, wrt: Names = None, *, directions: int = 2, seed: int = 0,
+                  step: float | None = None, atol: float = 1e-8, rtol: float = 1e-6,
+                  out_stream: Any = _totals.STDOUT, raise_on_error: bool = False,
+                  show_only_incorrect: bool = False, progress: bool = True,
+                  ) -> dict[tuple[str, str], _totals.TotalsCheck]:
+        """Compare `compute_hvp` with central differences of `compute_totals`.
+
+        Along `directions` random directions t (the same global ones on every rank),
+        H t from `compute_hvp` is compared entry by entry with (g(x + h t) - g(x - h t))
+        / 2h, g the gradient of `of` from `compute_totals` (and again at 2h, for the
+        error the difference carries), as `check_totals` judges its blocks. The current
+        point stays as it was.
+
+        **Arguments:**
+        - `of`: the name of a scalar floating-point output.
+        - `wrt`: input name(s); None means every floating-point input.
+        - `directions`: how many random directions (the rows of each block).
+        - `seed`: seeds the directions.
+        - `step`, `atol`, `rtol`, `out_stream`, `raise_on_error`,
+          `show_only_incorrect`, `progress`: as for `check_totals`.
+
+        **Returns:** dict of `(of, wrt)` -> `TotalsCheck`, whose `J` holds H t (one row
+        per direction, the whole global vector) and `J_fd` its estimate.
+
+        **Raises:** `DerivativeCheckError` on every rank if `raise_on_error` and a block
+        fails; what `compute_hvp` and `compute_totals` raise.
+        """
+        key = _totals.request_key
+        point = self._point
+        layout = self._programs.layout(point, (
+            "check_hvp", key(of, names=True), key(wrt, names=True), key(directions),
+            key(seed), key(step), key(atol), key(rtol)))
+        step, atol, rtol = _totals.check_options("fd", "central", step, atol, rtol)
+        if not isinstance(directions, int) or directions < 1:
+            raise ValueError(f"check_hvp(directions={directions!r}): expected a whole "
+                             "number of directions, at least 1.")
+        (out,) = check_names("check_hvp", "of", [of] if isinstance(of, str) else of,
+                             self.output_names, layout.differentiable["outputs"])
+        ins = check_names("check_hvp", "wrt", wrt, self.input_names,
+                          layout.differentiable["inputs"])
+
+        def gradient(deltas: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            moved = {w: point[w] + deltas[w] for w in deltas}
+            found = self.run_and_compute_totals([out], ins, inputs=moved)[1]
+            return {w: found[out, w][0] for w in ins}
+
+        evaluations = _totals.HvpEvaluations(self.comm, layout, point, self.compute_hvp,
+                                             gradient)
+        try:
+            return _totals.check_hvp(evaluations, out, ins, directions=directions,
+                                     seed=seed, step=step, atol=atol, rtol=rtol,
+                                     out_stream=out_stream, raise_on_error=raise_on_error,
+                                     show_only_incorrect=show_only_incorrect,
+                                     progress=progress)
+        finally:
+            self.run(**{w: point[w] for w in ins})  # (the current point, as it was)
 
     def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,
                         return_format: str, direction: str,

@@ -7,7 +7,11 @@ same on every rank for replicated ones). Then, on every rank alike:
 - `vjp vs fd` and `vjp vs jvp`: the dot-product test, <y_bar, J t> = <vjp(y_bar), t>,
   with J t from the differences or from jvp, summed over the ranks (a replicated value
   counted once);
-- `<method> batched`: each method on a batch of two rows against the rows one by one.
+- `<method> batched`: each method on a batch of two rows against the rows one by one;
+- `hvp vs fd`: hvp(y_bar, t) against the central difference of vjp(y_bar) along t, and
+  `hvp symmetry`: <s, hvp(y_bar, t)> = <t, hvp(y_bar, s)> for a second tangent s,
+  summed over the ranks (the weighted Hessian is symmetric), where the operator has an
+  `hvp`.
 """
 
 import dataclasses
@@ -24,6 +28,7 @@ from .._agreement import comm as _comm
 from .._dtypes import inexact_dtype
 from .._errors import DerivativeCheckError, DistopError, MissingMethodError
 from .._operators.operator import DistributedOperator, as_arrays
+from .._operators.primitive import implements
 from .differences import JUDGEABLE, default_step, estimate, judge, multiples
 from .totals import STDOUT
 
@@ -53,7 +58,7 @@ def check_operator(op: DistributedOperator, *inputs: Any,
                    atol: float = 1e-8, rtol: float = 1e-6, seed: int = 0,
                    out_stream: Any = STDOUT,
                    raise_on_error: bool = False) -> dict[str, OperatorCheck]:
-    """Compare an operator's forward, vjp and jvp with each other and with finite
+    """Compare an operator's forward, vjp, jvp and hvp with each other and with finite
     differences, collectively: call it on every rank with that rank's inputs.
 
     **Arguments:**
@@ -142,6 +147,10 @@ def check_operator(op: DistributedOperator, *inputs: Any,
 
         results.append(_batched(comm, "vjp batched", pulled, [
             np.stack([cotangents[k], -2 * cotangents[k]]) for k in real_out], atol, rtol))
+    if vjp is not None and jvp is not None and implements(op, "hvp") and real_out:
+        others = [draw(arrays[i].shape, arrays[i].dtype, i in rep_in, 2000 + i) for i in diff]
+        results += _hvp_checks(comm, f, primals, tangents, others, cotangents, w_in, step,
+                               atol, rtol)
     found = {r.pair: r for r in results}
     _report(found, name, size, arrays, outs, out_stream, rank)
     failed = [r for r in results if not r.ok]
@@ -150,6 +159,31 @@ def check_operator(op: DistributedOperator, *inputs: Any,
             f"{r.pair}: error {r.abs_error:.2e} > allowed {r.allowed:.2e} at {r.where}"
             for r in failed))
     return found
+
+
+def _hvp_checks(comm: Any, f: Callable[..., Any], primals: Sequence[Any],
+                tangents: Sequence[Any], others: Sequence[Any], cotangents: Sequence[Any],
+                weights: Sequence[float], step: float, atol: float,
+                rtol: float) -> list[OperatorCheck]:
+    """The checks of `hvp`: against differences of `vjp` along `tangents`, its symmetry
+    (with the tangents `others`), and its batched form."""
+    def pulled(*p: Any) -> tuple[Any, ...]:  # vjp(y_bar) at p
+        return tuple(jax.vjp(f, *p)[1](tuple(cotangents)))
+
+    def hvp(t: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(jax.jvp(pulled, tuple(primals), tuple(t))[1])
+
+    along_t, along_s = hvp(tangents), hvp(others)
+    fd, fd_error = _differences(pulled, primals, tangents, range(len(primals)), step)
+    got = _flat(along_t)
+    return [
+        _entrywise(comm, "hvp vs fd", got, fd, atol + rtol * np.abs(fd), fd_error),
+        _dot(comm, "hvp symmetry", _pairing(along_t, others, weights),
+             _pairing(along_s, tangents, weights), atol, rtol,
+             "the sum over ranks of <s, hvp t> against <t, hvp s>"),
+        _batched(comm, "hvp batched", lambda t: _jflat(hvp(t)),
+                 [np.stack([t, -2 * t]) for t in tangents], atol, rtol),
+    ]
 
 
 def _tuple(value: Any) -> tuple[Any, ...]:
@@ -261,14 +295,15 @@ def _pairing_flat(cotangents: Sequence[Any], ydot: np.ndarray, weights: Sequence
 
 
 def _dot(comm: Any, pair: str, left: tuple[float, float, float],
-         right: tuple[float, float, float], atol: float, rtol: float) -> OperatorCheck:
+         right: tuple[float, float, float], atol: float, rtol: float,
+         where: str = "the sum over ranks of <y_bar, J t> against <x_bar, t>",
+         ) -> OperatorCheck:
     """Compare two pairings summed over the ranks (the same on every rank)."""
     sums = comm.allreduce(np.array(left + right))  # (the sum over ranks)
     error = abs(float(sums[0] - sums[3]))
     allowed = atol + rtol * max(float(sums[1]), float(sums[4])) + float(sums[2])
     ok = math.isfinite(error) and math.isfinite(allowed) and error <= allowed
-    return OperatorCheck(pair, error, allowed, ok, None,
-                         "the sum over ranks of <y_bar, J t> against <x_bar, t>")
+    return OperatorCheck(pair, error, allowed, ok, None, where)
 
 
 def _batched(comm: Any, pair: str, fn: Callable[[Sequence[Any]], Any],
@@ -307,6 +342,9 @@ def _report(found: dict[str, OperatorCheck], name: str, size: int, arrays: Seque
     lines += [f"check_operator: {name}.{method} is wrong: it disagrees with finite "
               f"differences, which {other} agrees with" for method, other in (
                   ("vjp", "jvp"), ("jvp", "vjp")) if _blames(found, method, other)]
+    if _blames(found, "hvp", "vjp"):
+        lines.append(f"check_operator: {name}.hvp is wrong: it disagrees with finite "
+                     "differences of vjp, which agrees with finite differences itself")
     print("\n".join(lines), file=out_stream, flush=True)
 
 

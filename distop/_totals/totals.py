@@ -211,6 +211,113 @@ def check_totals(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     return results
 
 
+@dataclasses.dataclass(frozen=True)
+class HvpEvaluations:
+    """What `check_hvp` evaluates: a Problem's entry points at its current point.
+
+    **Arguments:**
+    - `comm`: the Problem's communicator.
+    - `layout`: the `Layout` of the current point.
+    - `point`: the current point.
+    - `compute_hvp`: the Problem's `compute_hvp` (of, wrt, tangent).
+    - `gradient`: the gradient of the output along the `wrt` inputs (name -> its whole
+      flat vector, on every rank) at the point moved by deltas (name -> this rank's
+      delta), leaving the current point as it was.
+    """
+
+    comm: Any
+    layout: Layout
+    point: dict[str, Any]
+    compute_hvp: Callable[..., dict[str, Any]]
+    gradient: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def check_hvp(evaluations: HvpEvaluations, of: str, wrt: tuple[str, ...], *,
+              directions: int, seed: int, step: float | None, atol: float, rtol: float,
+              out_stream: Any, raise_on_error: bool, show_only_incorrect: bool,
+              progress: bool = True) -> dict[tuple[str, str], TotalsCheck]:
+    """See `Problem.check_hvp`: `of`, `wrt` and the options checked already."""
+    if out_stream is STDOUT:
+        out_stream = sys.stdout
+    comm, layout, point = evaluations.comm, evaluations.layout, evaluations.point
+    rank = comm.Get_rank()
+    say: Say = (lambda text: print(text, file=out_stream, flush=True)) if (
+        out_stream is not None and rank == 0) else (lambda text: None)
+    dtypes = [layout.outputs[of].dtype] + [layout.inputs[w].dtype for w in wrt]
+    step = default_step("fd", dtypes) if step is None else step
+    # the same global directions on every rank; each rank perturbs its own block
+    rng = np.random.default_rng(seed)
+    drawn = {w: rng.standard_normal((directions, layout.global_size(w))) for w in wrt}
+    tangent = {}
+    for w in wrt:
+        start, stop = layout.local_rows(w, rank)
+        tangent[w] = drawn[w][:, start:stop].reshape((directions, *point[w].shape)).astype(
+            point[w].dtype)
+    shown = out_stream if progress and rank == 0 else None
+    with _progress.Progress("check_hvp", 3, shown) as steps:
+        if shown is not None:
+            say = steps.say  # (past the bar on a terminal)
+        steps.next("computing the Hessian-vector products")
+        found = evaluations.compute_hvp(of, wrt, tangent)
+        steps.next(f"computing the gradient at {4 * directions} points")
+        values = _gradients(evaluations, wrt, tangent, directions, step)
+        steps.next("comparing on every rank")
+        results = _judge_hvp(evaluations, of, wrt, found, values, directions, step, dtypes,
+                             atol, rtol)
+    say(f"check_hvp: {of!r}: compute_hvp along {directions} random directions (rows) "
+        f"against central differences of compute_totals at step={step:g}")
+    if out_stream is not None and rank == 0:
+        _table(results, say, show_only_incorrect)
+    failed = [k for k, r in results.items() if not r.ok]
+    if raise_on_error and failed:
+        raise DerivativeCheckError(
+            "check_hvp: Hessian-vector products disagree with finite differences of the "
+            "gradient or between ranks for " + ", ".join(f"({o!r}, {w!r})" + (
+                f" [inconsistent ranks {results[o, w].inconsistent_ranks}]"
+                if results[o, w].inconsistent_ranks else _worst_words(results[o, w]))
+                for o, w in failed))
+    return results
+
+
+def _gradients(evaluations: HvpEvaluations, wrt: tuple[str, ...], tangent: dict[str, Any],
+               directions: int, step: float) -> list[np.ndarray]:
+    """**Returns:** per multiple of the step (see `multiples`), the gradients at the
+    point moved along each direction: one row per direction."""
+    factors = [f.real for f in multiples("fd", "central")]
+    return [np.stack([np.concatenate([g[w] for w in wrt]) for g in (
+        evaluations.gradient({w: factor * step * tangent[w][k] for w in wrt})
+        for k in range(directions))]) for factor in factors]
+
+
+def _judge_hvp(evaluations: HvpEvaluations, of: str, wrt: tuple[str, ...],
+               found: dict[str, Any], values: list[np.ndarray], directions: int,
+               step: float, dtypes: list[Any], atol: float,
+               rtol: float) -> dict[tuple[str, str], TotalsCheck]:
+    """Judge the products `found` against the central differences of the gradients
+    `values`, block by block, on every rank."""
+    comm, layout, point = evaluations.comm, evaluations.layout, evaluations.point
+    J = {(of, w): (gather_columns(comm, np.ascontiguousarray(found[w].reshape(directions, -1)),
+                                  flat_counts(layout, w))
+                   if w in layout.counts else np.asarray(found[w]).reshape(directions, -1))
+         for w in wrt}
+    factors = [f.real for f in multiples("fd", "central")]
+    eps = max(float(jnp.finfo(d).eps) for d in dtypes)
+    fd = estimate("fd", "central", values, None,
+                  [np.full((directions, 1), factor * step) for factor in factors], eps)
+    # the inputs round x + h t too: by eps |x| / h of each entry's derivative
+    scale = max([float(np.max(np.abs(point[w]), initial=0.0)) for w in wrt] + [0.0])
+    scale = max(comm.allgather(scale))  # (the same allowance on every rank)
+    rounding = fd.rounding + eps * max(scale, 1.0) / step * np.abs(fd.value)
+    estimates, offset = {}, 0
+    for w in wrt:
+        n = layout.global_size(w)
+        estimates[of, w] = Estimate(fd.value[:, offset:offset + n],
+                                    rounding[:, offset:offset + n],
+                                    fd.truncation[:, offset:offset + n], eps, scale)
+        offset += n
+    return _judge(comm, (of,), wrt, J, estimates, atol, rtol)
+
+
 def _judge(comm: Any, of: tuple[str, ...], wrt: tuple[str, ...], J: Blocks,
            J_fd: dict[tuple[str, str], Estimate], atol: float,
            rtol: float) -> dict[tuple[str, str], TotalsCheck]:

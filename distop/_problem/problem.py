@@ -404,9 +404,11 @@ class Problem:
         if not isinstance(of, str):
             raise TypeError(f"{method}(of={of!r}): expected the name of one scalar output.")
         key = _totals.request_key
-        names = [wrt] if isinstance(wrt, str) else wrt
+        names = self._trees.expand([wrt] if isinstance(wrt, str) else wrt)
         refused: BaseException | None = None
         try:
+            if isinstance(tangent, dict):  # (a tree input's tangent: a tree alike)
+                tangent = self._trees.flat(f"{method}(tangent=...)", tangent)
             checked = check_names(method, "wrt", names, self.input_names, self.input_names)
             tangents, count = hvp_tangents(method, checked, tangent, self._point)
         except (TypeError, ValueError) as err:
@@ -600,7 +602,7 @@ class Problem:
                              "number of directions, at least 1.")
         (out,) = check_names("check_hvp", "of", [of] if isinstance(of, str) else of,
                              self.output_names, layout.differentiable["outputs"])
-        ins = check_names("check_hvp", "wrt", wrt, self.input_names,
+        ins = check_names("check_hvp", "wrt", self._trees.expand(wrt), self.input_names,
                           layout.differentiable["inputs"])
 
         def gradient(deltas: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

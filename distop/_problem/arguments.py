@@ -101,6 +101,47 @@ def check_names(method: str, arg: str, names: Any, known: tuple,
     return tuple(names)
 
 
+def hvp_request(method: str, wrt: Any, tangent: Any, trees: Trees, input_names: tuple,
+                point: dict) -> tuple[Any, dict, int | None, BaseException | None]:
+    """Check the `wrt` and `tangent` arguments of a Hessian-vector product.
+
+    **Returns:** (the `wrt` names, a tree input's name replaced by its leaves'; the
+    tangents by name; how many directions they hold, or None for one; this rank's
+    refusal of the arguments, or None). A refusal gives no tangents: the call's
+    agreement raises it on every rank.
+    """
+    names = trees.expand([wrt] if isinstance(wrt, str) else wrt)
+    try:
+        if isinstance(tangent, dict):  # (a tree input's tangent: a tree alike)
+            tangent = trees.flat(f"{method}(tangent=...)", tangent)
+        checked = check_names(method, "wrt", names, input_names, input_names)
+        tangents, count = hvp_tangents(method, checked, tangent, point)
+    except (TypeError, ValueError) as err:
+        return names, {}, None, err
+    return names, tangents, count, None
+
+
+def check_totals_options(method: str, mode: str, return_format: str, direction: str) -> None:
+    """**Raises:** `ValueError` for an unknown `mode`, `return_format` or `direction` of
+    a call of totals."""
+    if mode not in MODES:
+        raise ValueError(f"{method}(mode={mode!r}): expected one of {list(MODES)}.")
+    if return_format not in FORMATS:
+        raise ValueError(f"{method}(return_format={return_format!r}): expected one of "
+                         f"{list(FORMATS)}.")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"{method}(direction={direction!r}): expected one of "
+                         f"{list(DIRECTIONS)}.")
+
+
+def check_scalar(method: str, of: Any, out: str, shape: tuple, distributed: frozenset) -> None:
+    """**Raises:** `ValueError` where the output `out` that `of` names is not a
+    replicated scalar."""
+    if shape != () or out in distributed:
+        raise ValueError(f"{method}(of={of!r}): output {out!r} has shape {shape}; expected "
+                         "a scalar (a replicated 0-d output). Sum or reduce it in the model.")
+
+
 def _same_dtype(where: str, name: str, new: np.ndarray, value: Any, old: np.ndarray,
                 copy: bool | None) -> np.ndarray:
     """**Returns:** `new`, the input `name` a call passes, where its dtype is that of

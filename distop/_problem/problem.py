@@ -8,41 +8,36 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import numpy as np
 
 from .._agreement import comm as _comm
-from .._agreement.coordinator import Coordinator, Failure, stable_hash
+from .._agreement.coordinator import Coordinator
 from .._compiler.layout import Layout
 from .._compiler.programs import Program, Programs
 from .._compiler.schedule import ScheduleEntry
 from .._compiler.tracing import FDOptions, HvpOptions, TotalsOptions
 from .._config import env_flag
 from .._diagnostics import profile as _profile
-from .._errors import (
-    DistopError,
-    KindError,
-    MissingMethodError,
-    OrderedEffectError,
-    SecondDerivativeError,
-)
 from .._inference.transform import Inference
 from .._totals import assembly as _assembly
 from .._totals import replicated as _replicated
 from .._totals import totals as _totals
 from .arguments import (
-    DIRECTIONS,
-    FORMATS,
     MODES,
     cache_size,
     check_arguments,
     check_names,
-    hvp_tangents,
+    check_scalar,
+    check_totals_options,
+    hvp_request,
     moved,
 )
+from .construction import agree_on_distributed, check_kinds, failure
 from .execution import Executor
 from .inputs import empty
+from .locking import one_at_a_time
 
 __all__ = ["MODES", "Problem", "empty"]
 
@@ -52,30 +47,6 @@ Names = str | Iterable[str] | None  # what `of` and `wrt` take
 # (Named once here: a nested function's annotations are made on every call.)
 _Attempt = tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program | None,
                  dict[str, Any] | None]
-
-
-Arguments = ParamSpec("Arguments")
-Result = TypeVar("Result")
-
-
-def _one_at_a_time(method: Callable[Concatenate["Problem", Arguments], Result],
-                   ) -> Callable[Concatenate["Problem", Arguments], Result]:
-    """`method` under its Problem's lock: threads calling one Problem take turns, each
-    call whole (its agreement, programs, point and token are the Problem's own). A
-    Problem whose communicator was freed raises a `DistopError` saying so."""
-    @functools.wraps(method)
-    def locked(self: "Problem", *args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
-        with self._lock:
-            _comm.check_live(self.comm)  # (freed with the user's: a DistopError, alike)
-            profile = _profile.active
-            if profile is None:
-                return method(self, *args, **kwargs)
-            profile.entered()  # (the time between entries is the caller's own)
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                profile.left(method.__name__)
-    return locked
 
 
 class Problem:
@@ -168,19 +139,7 @@ class Problem:
         # (a tree input declared distributed: each of its leaves)
         self.distributed = self._coordinator.distributed = frozenset(
             self._trees.names(self.distributed))
-        # the widest agreement row of every rank, and whether all name the same
-        # distributed values: one reduction of a fixed size
-        names = sorted(self.distributed)
-        named = stable_hash(names)
-        top = self._coordinator.most(np.array(
-            [2 + sum(k in self.distributed for k in self._point), named, -named], np.int64))
-        if top[1] != -top[2]:
-            every = self.comm.allgather(names)
-            raise DistopError(
-                "Problem(distributed=...): the ranks named different distributed values:\n"
-                + "\n".join(f"  rank {r}: {names}" for r, names in enumerate(every))
-                + "\nName the same inputs and outputs on every rank.")
-        self._coordinator.widen([int(top[0])])
+        agree_on_distributed(self._coordinator, self._point)
         _replicated.check_replicated_inputs(self.comm, self._coordinator.most, self.distributed,
                                         self._point)
         self._fuse = fused
@@ -203,7 +162,7 @@ class Problem:
                              f"{list(self.input_names)}, outputs {list(self.output_names)}.")
         self._coordinator.collective_step(
             "Problem: checking the kinds of its values",
-            lambda: _check_kinds(inference, self.distributed))
+            lambda: check_kinds(inference, self.distributed))
         schedule = None
         differentiable = layout.differentiable
         if differentiable["outputs"] and differentiable["inputs"]:
@@ -213,7 +172,7 @@ class Problem:
                                                     differentiable["inputs"]),
                     layout, caller="Problem(...)").schedule
             except Exception as err:  # left for later or raised, on every rank
-                if not self._coordinator.go_on_without(_failure(err)):
+                if not self._coordinator.go_on_without(failure(err)):
                     raise
         if schedule is None:  # (or nothing to differentiate)
             schedule = self._programs.program("run", (), layout,
@@ -273,7 +232,7 @@ class Problem:
         """
         return _profile.Profile(self.comm)
 
-    @_one_at_a_time
+    @one_at_a_time
     def run(self, **inputs: Any) -> dict[str, np.ndarray]:
         """Evaluate the model at `inputs`; the other inputs keep their current values.
 
@@ -303,7 +262,7 @@ class Problem:
         self._point = point
         return outs
 
-    @_one_at_a_time
+    @one_at_a_time
     def compute_totals(self, of: Names = None, wrt: Names = None, *, mode: str = "batched",
                        return_format: str = "global",
                        direction: str = "rev") -> dict[tuple[str, str], np.ndarray]:
@@ -369,7 +328,7 @@ class Problem:
             program.totals_checked.add(return_format)
         return totals
 
-    @_one_at_a_time
+    @one_at_a_time
     def compute_hvp(self, of: str, wrt: Names, tangent: dict[str, Any],
                     ) -> dict[str, np.ndarray]:
         """Hessian-vector products of a scalar output, at the current point.
@@ -404,15 +363,8 @@ class Problem:
         if not isinstance(of, str):
             raise TypeError(f"{method}(of={of!r}): expected the name of one scalar output.")
         key = _totals.request_key
-        names = self._trees.expand([wrt] if isinstance(wrt, str) else wrt)
-        refused: BaseException | None = None
-        try:
-            if isinstance(tangent, dict):  # (a tree input's tangent: a tree alike)
-                tangent = self._trees.flat(f"{method}(tangent=...)", tangent)
-            checked = check_names(method, "wrt", names, self.input_names, self.input_names)
-            tangents, count = hvp_tangents(method, checked, tangent, self._point)
-        except (TypeError, ValueError) as err:
-            refused, tangents, count = err, {}, None
+        names, tangents, count, refused = hvp_request(method, wrt, tangent, self._trees,
+                                                      self.input_names, self._point)
         count_key = count if count is not None or refused is None else "refused"
 
         def attempt() -> tuple[Program, dict[str, Any]]:
@@ -423,10 +375,7 @@ class Problem:
                               layout.differentiable["inputs"])
             (out,) = check_names(method, "of", of, self.output_names,
                                  layout.differentiable["outputs"])
-            if layout.outputs[out].shape != () or out in self.distributed:
-                raise ValueError(f"{method}(of={of!r}): output {out!r} has shape "
-                                 f"{layout.outputs[out].shape}; expected a scalar (a "
-                                 "replicated 0-d output). Sum or reduce it in the model.")
+            check_scalar(method, of, out, layout.outputs[out].shape, self.distributed)
             program = self._programs.program(method, HvpOptions(out, ins, count is not None),
                                              layout, make_extra=lambda: (tangents,))
             found = self._executor(program, self._point, (tangents,))
@@ -438,7 +387,7 @@ class Problem:
 
         return self._coordinator.retry_if_missed(attempt)[1]
 
-    @_one_at_a_time
+    @one_at_a_time
     def run_and_compute_totals(
             self, of: Names = None, wrt: Names = None, *, inputs: dict[str, Any] | None = None,
             mode: str = "batched", return_format: str = "global", direction: str = "rev",
@@ -491,7 +440,7 @@ class Problem:
         self._point = point
         return values, totals
 
-    @_one_at_a_time
+    @one_at_a_time
     def check_totals(self, of: Names = None, wrt: Names = None, *, method: str = "fd",
                      form: str = "central", step: float | None = None, atol: float = 1e-8,
                      rtol: float = 1e-6, out_stream: Any = _totals.STDOUT,
@@ -563,7 +512,7 @@ class Problem:
                                     progress=progress)
 
 
-    @_one_at_a_time
+    @one_at_a_time
     def check_hvp(self, of: str, wrt: Names = None, *, directions: int = 2, seed: int = 0,
                   step: float | None = None, atol: float = 1e-8, rtol: float = 1e-6,
                   out_stream: Any = _totals.STDOUT, raise_on_error: bool = False,
@@ -638,14 +587,7 @@ class Problem:
                          layout.differentiable["outputs"])
         wrt = check_names(method, "wrt", self._trees.expand(wrt), self.input_names,
                           layout.differentiable["inputs"])
-        if mode not in MODES:
-            raise ValueError(f"{method}(mode={mode!r}): expected one of {list(MODES)}.")
-        if return_format not in FORMATS:
-            raise ValueError(f"{method}(return_format={return_format!r}): expected one of "
-                             f"{list(FORMATS)}.")
-        if direction not in DIRECTIONS:
-            raise ValueError(f"{method}(direction={direction!r}): expected one of "
-                             f"{list(DIRECTIONS)}.")
+        check_totals_options(method, mode, return_format, direction)
         if direction == "auto":  # (the same on every rank: the layout is)
             rows = sum(layout.global_size(o) for o in of)
             columns = sum(layout.global_size(w) for w in wrt)
@@ -653,42 +595,3 @@ class Problem:
         return layout, of, wrt, direction
 
 
-def _check_kinds(inference: Inference, distributed: frozenset[str]) -> None:
-    """Raise `KindError` where the traced model gives an operator that combines each
-    rank's own block copies of one value (an input left out of `distributed=`, almost
-    always), or where an output varies between ranks but is not declared distributed."""
-    copies = inference.copies()
-    if copies:
-        raise KindError(inference.copies_message("Problem", copies, "inputs",
-                                                 "Problem(distributed=...)"))
-    _check_output_kinds(inference.varying_outputs(), distributed)
-
-
-def _check_output_kinds(varying: list[str], distributed: frozenset[str]) -> None:
-    """Raise where an output that varies between ranks is not declared distributed:
-    compute_totals would take it as replicated and sum its derivatives over the ranks."""
-    undeclared = [k for k in varying if k not in distributed]
-    if undeclared:
-        raise KindError(
-            f"Problem: outputs {undeclared} vary between ranks (each rank computes its own "
-            "from distributed data, and nothing reduces them), but they are not named in "
-            "distributed=, so compute_totals would take them as replicated and sum their "
-            "derivatives over the ranks. If each rank holds a block of them along axis 0, "
-            f"declare them: Problem(..., distributed={set(undeclared) | set(distributed)!r}); "
-            "else reduce them to one value on every rank, e.g. distop.AllreduceSum()(...).")
-
-
-def _failure(err: BaseException) -> Failure:
-    """This rank's view of a `compute_totals` program that failed as a Problem was made:
-    `LEFT_FOR_LATER` where the model can still run (an operator has no vjp, the model
-    itself differentiates an operator, or JAX cannot differentiate it: a while_loop, say)
-    and `compute_totals` raises the error when called; `ON_OTHER_RANKS` where it failed
-    because another rank did; else `RAISE_NOW`. The ranks decide together
-    (`Coordinator.go_on_without`)."""
-    if isinstance(err, (MissingMethodError, SecondDerivativeError,
-                        OrderedEffectError)) or type(err) in (
-            ValueError, TypeError, NotImplementedError):
-        return Failure.LEFT_FOR_LATER
-    if getattr(err, "elsewhere", False):
-        return Failure.ON_OTHER_RANKS
-    return Failure.RAISE_NOW

@@ -107,7 +107,8 @@ class Inference:
         self.pending: list[int] = []  # hashes not compared yet (see `compare_constants`)
         self.output_kinds: Any = None  # the last trace's outputs, each leaf its kind
         # the last trace's jaxpr, the kinds of its arguments and the hashes of its
-        # constants (those of the closed jaxpr, then those inside it): see `copies`
+        # constants (those of the closed jaxpr, then those inside it), until `copies`
+        # reads it
         self._last: tuple[Any, list[Info], list[int | None], list[Any]] | None = None
         self._replicated_names: list[str] = []  # the last trace's replicated arguments
 
@@ -159,7 +160,9 @@ class Inference:
         self._last = (closed, ins, hashes, inner)
         self._replicated_names = self._replicated_arguments(fn, args, kwargs)
         outs, plan, copies = self._analyse(self._constant_kinds(hashes))
-        if copies and self.compare_at_trace:  # (with_kinds: the constants are compared)
+        if self.compare_at_trace:  # (with_kinds: the constants are compared already)
+            self._last = None  # (nothing reads it again: its constants are not kept)
+        if copies and self.compare_at_trace:
             raise KindError(self.copies_message(
                 f"with_kinds({getattr(fn, '__name__', 'fn')})", copies, "arguments",
                 "with_kinds(..., distributed=...)"))
@@ -186,7 +189,10 @@ class Inference:
         `analyse_function`), with the constants' kinds as compared now."""
         if self._last is None:
             return []
-        return self._analyse(self._constant_kinds(self._last[2]))[2]
+        try:
+            return self._analyse(self._constant_kinds(self._last[2]))[2]
+        finally:  # (read once, as a Problem is made: its jaxpr and constants not kept)
+            self._last = None
 
     def copies_message(self, where: str, copies: list[str], what: str, fix: str) -> str:
         """**Returns:** the error of `copies` (see `copies`) for `where`, whose inputs

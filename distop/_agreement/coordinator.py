@@ -33,24 +33,24 @@ class Failure(enum.Enum):
 
 
 class Missed(Exception):
-    """A program found that the ranks disagree (see `CallAgreement`)."""
+    """A pending agreement, made before a program was built or run, found that the
+    ranks disagree (see `CallAgreement`)."""
 
 
 class Coordinator:
     """The agreement of one Problem's ranks, step by step.
 
-    A call of an entry point goes through these states, alike on every rank:
+    A call of an entry point agrees once, alike on every rank (see `_problem/calls.py`,
+    which walks a call through these states):
 
     ```
-    idle ──request()──► agreed ──(program runs)──► idle
-      │                   ▲
-      │ (seen before)     │ ranks_disagree(): the ranks agree
-      ▼                   │
-    pending ──────────────┤ made before the program, or by its first host call
-                          │ ranks_disagree(): the ranks disagree
-                          ▼
-                        missed ──retry_if_missed() runs the call again──► request() reads
-                                  what every rank sent (`gathered`) ──► agreed or raised
+    request() ──(seen before)──► pending: a CallAgreement, made before the program or
+       │                         by its first host call
+       │                            │ the ranks agree          │ the ranks disagree
+       ▼                            ▼                          ▼
+    agreed ◄────────────────── agreed                        missed: request() again
+       ▲                                                     with what every rank sent
+       └───────────────────────────────────────────────────── (`gathered`): agreed or raised
     ```
 
     **Arguments:**
@@ -68,8 +68,6 @@ class Coordinator:
         self.serial = next(_serials.setdefault(comm, itertools.count()))
         self._fixed: dict = {}  # (shapes, request) -> (what must agree, its hash)
         self._guesses: dict = {}  # (shapes, request) -> the block sizes agreed last time
-        self._pending: CallAgreement | None = None  # the agreement a program is to make
-        self._gathered: np.ndarray | None = None  # every rank's part of one made, unread
 
     # -- steps of making a Problem or a program -------------------------------------
     def collective_step(self, what: str, thunk: Callable[[], Any],
@@ -141,8 +139,8 @@ class Coordinator:
 
     # -- the agreement of a call ------------------------------------------------------
     def request(self, local: tuple, request: tuple, own: list[int],
-                refused: BaseException | None = None,
-                may_defer: bool = False) -> tuple[tuple, bool]:
+                refused: BaseException | None = None, may_defer: bool = False,
+                gathered: np.ndarray | None = None) -> tuple[tuple, "CallAgreement | None"]:
         """Agree with every rank on a call's request and the shapes of its point.
 
         **Arguments:**
@@ -152,16 +150,18 @@ class Coordinator:
         - `refused`: the error of an argument this rank refused. This rank takes its
           place in the agreement with a mark instead of a request and raises it; the
           other ranks raise a `DistopError` naming it. No rank runs the call.
-        - `may_defer`: the caller runs inside `retry_if_missed`, so the agreement may be left to
-          the program (see `CallAgreement`).
+        - `may_defer`: the agreement may be left pending, for the program to make (see
+          `CallAgreement`): the caller makes it before anything else communicates.
+        - `gathered`: every rank's row of a pending agreement of this call that found
+          the ranks disagree; read instead of communicating.
 
-        **Returns:** (every rank's block sizes per distributed input, whether they are
-        those of last time, not yet agreed: the agreement is then pending).
+        **Returns:** (every rank's block sizes per distributed input, and the
+        `CallAgreement` still to make where they are those of last time, else None).
         """
         if self.comm.Get_size() == 1:
             if refused is not None:
                 raise refused
-            return (), False
+            return (), None
         fixed: tuple | None
         if refused is not None:  # (a hash is never negative)
             fixed = ((REFUSED, f"{type(refused).__name__}: {refused}", None), -1)
@@ -173,14 +173,13 @@ class Coordinator:
             fixed = self._fixed[local, request] = (
                 (request, shapes, self.serial),
                 stable_hash((self.serial, request, shapes)))
-        every, self._gathered = self._gathered, None
+        every = gathered
         if every is None:
             guess = self._guesses.get((local, request)) if may_defer and refused is None \
                 else None
             if guess is not None:
-                self._pending = CallAgreement(self.comm, [fixed[1], guess[1], *own],
-                                              _widths[self.comm], guess[2], guess[0])
-                return guess[0], True
+                return guess[0], CallAgreement(self.comm, [fixed[1], guess[1], *own],
+                                               _widths[self.comm], guess[2], guess[0])
             first = CallAgreement(self.comm, [fixed[1], -1, *own], _widths[self.comm],
                                   stable_hash((fixed[1], -1)))
             first.ranks_differ()  # (always True: no rank expects sizes here)
@@ -193,7 +192,7 @@ class Coordinator:
             self._guesses[local, request] = (counts, made, stable_hash((fixed[1], made)))
         if refused is not None:  # (every rank refused)
             raise refused
-        return counts, False
+        return counts, None
 
     def forget(self, local: tuple) -> None:
         """Forget what was agreed for calls at shapes `local`: their next call agrees
@@ -222,64 +221,6 @@ class Coordinator:
             "rank; only inputs named in Problem(distributed=...) may differ, and "
             "only in axis 0.")
 
-    def retry_if_missed(self, attempt: Callable[[], Any]) -> Any:
-        """`attempt()`, an entry point's work from its `request(..., may_defer=True)` on,
-        with the agreement that request left pending made (by the program, or here
-        after it): where the ranks turn out not to agree (different requests, or other
-        block sizes than the layout's), the attempt is made again with what every rank
-        sent, as if agreed first (then raising on every rank, or running the right
-        program)."""
-        try:
-            result = attempt()
-        except Missed:
-            pass
-        except BaseException:
-            if not self.ranks_disagree():  # (raised before the agreement was made, say)
-                raise
-        else:
-            if not self.ranks_disagree():
-                return result
-        return attempt()
-
-    def ranks_disagree(self) -> bool:
-        """Make the pending agreement, if there is one.
-
-        **Returns:** whether the ranks disagree (then `request` reads what they sent).
-        """
-        pending, self._pending = self._pending, None
-        if pending is None or not pending.ranks_disagree():
-            return False
-        self._gathered = pending.every
-        return True
-
-    def before_building(self) -> None:
-        """Make the pending agreement before a program is built (building one
-        communicates). **Raises:** `Missed` where the ranks disagree."""
-        if self.ranks_disagree():
-            raise Missed
-
-    def offer(self, makes_agreement: bool) -> None:
-        """Offer the pending agreement to the host calls of the program about to run.
-
-        A program that cannot make the agreement (`makes_agreement` False) has it made first,
-        here. `withdraw` ends the offer once the program has run; `offered` tells
-        whether it is still open (then the program has not reached its first host
-        call: with JAX's async dispatch it may still run on an XLA thread, and the
-        caller must wait for it before withdrawing the offer).
-
-        **Raises:** `Missed` where the ranks disagree.
-        """
-        global _offered
-        if self._pending is not None and not makes_agreement and self.ranks_disagree():
-            raise Missed
-        _offered = self._pending  # (still pending only where the program makes it)
-
-    def after_running(self) -> None:
-        """Settle the agreement the program was offered, if it did not make it.
-        **Raises:** `Missed` where the ranks disagree."""
-        if self.ranks_disagree():
-            raise Missed
-
 
 class CallAgreement:
     """The agreement of one call of an entry point across ranks.
@@ -306,12 +247,12 @@ class CallAgreement:
 
     Made before the program where the rank made no layout in advance, or where the
     program cannot make it (see `Program.makes_agreement`); else by the program's first host
-    call, right before its method (see `offered`): one collective beside the method's
-    own, where one before the program would make the ranks meet once more. Every rank
-    makes it before any method of the call runs, the same collectives wherever it is
-    made. Where the ranks disagree, no host call of the program runs a method (each
-    returns zeros), and `Coordinator.retry_if_missed` goes on as if the agreement had been made
-    first.
+    call, right before its method (the program's `Gate` holds it while the program
+    runs): one collective beside the method's own, where one before the program would
+    make the ranks meet once more. Every rank makes it before any method of the call
+    runs, the same collectives wherever it is made. Where the ranks disagree, no host
+    call of the program runs a method (each returns zeros), and the call is made again
+    as if the agreement had been made first (see `_problem/calls.py`).
     """
 
     # The row is kept as Python ints until a gather needs it as an array: the check of
@@ -359,25 +300,6 @@ class CallAgreement:
             self.missed = bool((self.every[:, :2] != self.mine[:2]).any()
                                or block_sizes(self.every, self.sizes) != self.expect)
         return self.missed
-
-
-# The agreement offered to the host calls of the program running now, if its first
-# call is to make it. Only `Coordinator.offer` sets it (one program runs at a time in
-# a process); the FFI handler reads and withdraws it through `offered` and `withdraw`.
-_offered: CallAgreement | None = None
-
-
-def offered() -> CallAgreement | None:
-    """**Returns:** the agreement the running program's first host call is to make,
-    or None."""
-    return _offered
-
-
-def withdraw() -> None:
-    """Withdraw the offered agreement: once a host call has made it and the ranks
-    agree (the program's later calls need not ask), or once the program has run."""
-    global _offered
-    _offered = None
 
 
 def block_sizes(every: np.ndarray, sizes: int) -> tuple:

@@ -19,6 +19,7 @@ from .._compat import x64_enabled
 from .._config import settings
 from .._errors import DistopError
 from .._hostcalls import ffi as _ffi
+from .._hostcalls.base import Gate
 from .._hostcalls.host import HostCall
 from .._safety import checking as _checking
 from .._safety import watchdog as _watchdog
@@ -62,13 +63,20 @@ class Program:
     # lean host calls per run, each adding one to the token; None where the values
     # decide (a while loop, branches making different numbers of calls)
     calls: int | None = 0
-    makes_agreement: bool = False  # whether its first host call may make the ranks' agreement
+    # where its first host call may make the agreement of the call (see `CallAgreement`):
+    # what its host calls share while it runs; else None
+    gate: Gate | None = None
     entry: str = ""  # its entry point: `run`, `compute_totals` ... (for profiles)
     # the return formats in which its totals were found the same on every rank (see
     # `_assembly.check_replicated_totals`): the check runs on a program's first call per format only
     totals_checked: set[str] = dataclasses.field(default_factory=set)
     _extra: tuple[Any, ...] | None = None
     _plan: tuple[Any, ...] | None = None
+
+    @property
+    def makes_agreement(self) -> bool:
+        """Whether its first host call may make the agreement of the call."""
+        return self.gate is not None
 
     @property
     def plan(self) -> tuple[Any, ...]:
@@ -120,39 +128,24 @@ class Programs:
         self._traced_run: tuple[dict[str, jax.ShapeDtypeStruct], Traced] | None = None
         self._warned_loop = False
 
-    def layout(self, point: dict[str, Any], request: tuple[Any, ...],
-               refused: BaseException | None = None, may_defer: bool = False,
-               current: dict[str, Any] | None = None) -> Layout:
-        """Agree with every rank on the request (the entry point and its arguments) and
-        the shapes of `point` (one small collective per call), and return its `Layout`
-        (traced once per new shapes, on every rank).
+    def layout(self, point: dict[str, Any], local: tuple, counts: tuple,
+               guessed: bool = False) -> Layout:
+        """The `Layout` of `point` for the block sizes the ranks agreed on (traced once
+        per new shapes, on every rank).
 
         **Arguments:**
         - `point`: the inputs of the call.
-        - `request`: the entry point and its arguments.
-        - `refused`: the error of an argument this rank refused (see
-          `Coordinator.request`); then `point` is the current one.
-        - `may_defer`: the caller runs inside `Coordinator.retry_if_missed`, so the agreement may be
-          left to the program: for a request and shapes seen before, the layout of the
-          other ranks' block sizes of last time is returned at once.
-        - `current`: the current point, taken instead of `point` where this rank
-          refuses the call.
+        - `local`: (name, shape, dtype) of every input of the point.
+        - `counts`: every rank's block sizes per distributed input, in point order
+          (`Coordinator.request`).
+        - `guessed`: the sizes are those of last time, their agreement still pending:
+          the layout was made before (nothing may communicate before the agreement is
+          made, so it is never built here).
         """
-        if refused is None and x64_enabled() != self.x64:
-            point, refused = current if current is not None else point, DistopError(
-                f"{request[0]}: this Problem was made with jax_enable_x64="
-                f"{self.x64} and is called with {not self.x64}: its programs and values "
-                "are in the other precision. Change jax_enable_x64 back, or make a new "
-                "Problem after changing it.")
-        local = tuple([(k, v.shape, v.dtype.str) for k, v in point.items()])
-        dist_inputs = [k for k in point if k in self.distributed]
-        counts, guessed = self.coordinator.request(
-            local, request, [point[k].shape[0] for k in dist_inputs], refused, may_defer)
         key = (local, counts)
-        # (a guessed layout was made before: nothing may communicate before its
-        # pending agreement is made, so it is never built here)
         layout = self.layouts.pop(key) if guessed else self.layouts.pop(key, None)
         if layout is None:
+            dist_inputs = [k for k in point if k in self.distributed]
             with collector_paused():
                 layout = self._new_layout(point, dict(zip(dist_inputs, counts)))
             while len(self.layouts) >= self.size:
@@ -227,11 +220,16 @@ class Programs:
                                   "rank holds a block of it.")
         return Layout(inputs, outputs, counts)
 
+    def built(self, name: str, options: Options, layout: Layout) -> Program | None:
+        """**Returns:** the program of an entry point for `layout`, if it is built."""
+        return self.programs.get((name, options, id(layout)))
+
     def program(self, name: str, options: Options, layout: Layout,
                 make_extra: Callable[[], tuple[Any, ...]] = tuple,
                 caller: str | None = None) -> Program:
         """The jitted program of an entry point for `layout`, traced, checked and agreed
-        by every rank the first time it is needed.
+        by every rank the first time it is needed (building one communicates: a pending
+        agreement of the call is made first, see `_problem/calls.py`).
 
         **Arguments:**
         - `name`, `options`: the entry point and what selects its program.
@@ -244,7 +242,6 @@ class Programs:
         key = (name, options, id(layout))
         found = self.programs.get(key)
         if found is None:
-            self.coordinator.before_building()  # (building one communicates)
             with collector_paused():
                 found = self._new_program(key, name, options, layout, make_extra,
                                           caller or name)
@@ -307,8 +304,11 @@ class Programs:
         makes_agreement = bool(calls) and checker is None and not jaxpr.jaxpr.effects \
             and not _ffi.anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
             and not nested.nested(jaxpr.jaxpr)
+        gate = Gate() if makes_agreement else None
+        for call in calls:
+            call.gate = gate
         found = self.programs[key] = Program(fn, schedule, outputs, make_extra, checker,
-                                              nested.count(jaxpr.jaxpr), makes_agreement,
+                                              nested.count(jaxpr.jaxpr), gate,
                                               _entry_name(name, options))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)

@@ -2,9 +2,25 @@
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
+
+
+class Gate:
+    """What the host calls of one program share while it runs: the agreement of the
+    call, where the program's first host call is to make it (see
+    `_agreement.coordinator.CallAgreement`), else None.
+
+    The caller sets `pending` before the program runs and clears it after; the FFI
+    handler reaches it through the host call it runs, so no module holds it.
+    """
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: Any = None
 
 
 class HostCallable(abc.ABC):
@@ -18,12 +34,15 @@ class HostCallable(abc.ABC):
     - `ordered`: whether the call is ordered (and so may communicate).
     - `phase`: `"forward"`, `"jvp"` or `"vjp"` for one method; what it groups else.
     - `ffi_id`: the id of its lean call site once lowered (see `_ffi.register`), else None.
+    - `gate`: the `Gate` of its program, where the program's first host call may make
+      the agreement of the call, else None.
     """
 
     lean: bool = False
     ordered: bool = False
     phase: str
     ffi_id: int | None = None
+    gate: Gate | None = None
 
     @abc.abstractmethod
     def shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
-from .._agreement.coordinator import offered, withdraw
 from .._compat import ProgramTrace, current_trace, lean_session, scan_consts, x64_enabled
 from .._errors import DistopError
 from . import xla_ffi as _xla_ffi
@@ -165,15 +164,15 @@ def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
         # pass a program input or a constant of the program, which a method must not change)
         args = [slot.view(_address(arg_values[i])) for i, slot in plans.args]
         rets = [slot.view(_address(ret_values[i])) for i, slot in plans.rets]
-        pending = offered()
-        if pending is not None:
-            if pending.ranks_disagree():
+        gate = call.gate
+        if gate is not None and gate.pending is not None:
+            if gate.pending.ranks_disagree():
                 # The ranks do not agree on this program: no method runs, on any rank
                 # (each one's first call finds it out), and the results are zeros.
                 for out in rets:
                     out[...] = 0
                 return None
-            withdraw()  # (agreed: the program's later calls need not ask)
+            gate.pending = None  # (agreed: the program's later calls need not ask)
         results = call(*args, out=rets)
         for out, result in zip(rets, results):
             if result is not out:

@@ -6,7 +6,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._agreement.coordinator import Coordinator, offered, withdraw
 from .._compat import JaxRuntimeError
 from .._compiler.packing import unpack
 from .._compiler.programs import Program
@@ -17,8 +16,8 @@ from .._hostcalls.failure import take_error
 from .._safety import watchdog as _watchdog
 from .inputs import DeviceCache
 
-# One program at a time in this process: the agreement offered to a program's first
-# host call and the error a host call leaves are the process's, not a Problem's.
+# One program at a time in this process: the error a host call leaves is the process's,
+# not a Problem's (XLA reports it without saying which program it came from).
 _RUNNING = threading.RLock()
 
 
@@ -26,11 +25,11 @@ class Executor:
     """Runs one Problem's programs, one at a time, on its token chain.
 
     **Arguments:**
-    - `coordinator`: the `Coordinator` of the Problem's ranks.
+    - `comm`: the Problem's communicator (its rank names it in messages).
     """
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
         self.token = jnp.zeros((), _ffi.token_dtype())
         self.calls = 0.0  # the token's value: lean host calls run so far
         self.on_device = DeviceCache()
@@ -42,8 +41,7 @@ class Executor:
 
         **Returns:** its results, unpacked (name -> read-only numpy view).
 
-        **Raises:** the error of a host call as the method raised it; `Missed` where the
-        ranks turn out to disagree on the call.
+        **Raises:** the error of a host call as the method raised it.
         """
         with _RUNNING:
             try:
@@ -61,20 +59,20 @@ class Executor:
 
     def _run(self, program: Program, point: dict, extra: tuple[Any, ...] | None) -> dict:
         """`__call__` without the translation of host calls' errors."""
-        coordinator = self.coordinator
         profile = _profile.active
         if profile is not None:
             profile.program_started(program.entry)
-        coordinator.offer(program.makes_agreement)
+        gate = program.gate
         try:
             *packed, token = program.fn(self.token, self.on_device(point),
                                         *(program.extra if extra is None else extra))
-            if offered() is not None:
+            if gate is not None and gate.pending is not None:
                 # Not made yet: with JAX's async dispatch the program may still run
                 # on an XLA thread, and its first host call must find the agreement.
                 token.block_until_ready()
         finally:
-            withdraw()
+            if gate is not None:
+                gate.pending = None
         values = unpack(packed, program.plan)
         # Kept only once the program has ended well: with JAX's async dispatch a host
         # call's error arrives here, in the token too, and every later program would
@@ -85,7 +83,6 @@ class Executor:
         self.token = token
         if program.calls != 0:
             self._count(program, count)
-        coordinator.after_running()
         if program.checker is not None:
             # A rank whose program skipped a collective (rank-dependent control flow)
             # meets the others' next collective here, and every rank raises.
@@ -99,7 +96,7 @@ class Executor:
         calls, self.calls = self.calls, count
         if program.calls is not None and self.calls - calls != program.calls:
             raise DistopError(
-                f"rank {self.coordinator.comm.Get_rank()}: the program made "
+                f"rank {self.comm.Get_rank()}: the program made "
                 f"{self.calls - calls} host calls instead of {program.calls}; "
                 "please report this as a bug of distop, with your jax version. "
                 "Problem(..., backend='io_callback') avoids the lean path.")

@@ -34,6 +34,7 @@ from .arguments import (
     hvp_request,
     moved,
 )
+from .calls import Call, Calls
 from .construction import agree_on_distributed, check_kinds, failure
 from .execution import Executor
 from .inputs import empty
@@ -42,9 +43,8 @@ from .locking import one_at_a_time
 __all__ = ["MODES", "Problem", "empty"]
 
 Names = str | Iterable[str] | None  # what `of` and `wrt` take
-# What a totals call's attempt gives: (its layout, the `of` and `wrt` names, the
-# direction, the program and its sweeps; no program where there is nothing to sweep).
-# (Named once here: a nested function's annotations are made on every call.)
+# What a totals call's attempt gives (named once: a nested function's annotations are
+# made on every call): layout, `of` and `wrt` names, direction, program, sweeps.
 _Attempt = tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program | None,
                  dict[str, Any] | None]
 
@@ -150,10 +150,11 @@ class Problem:
         self._programs = Programs(inference.wrap(self._trees.model(model)),
                                   self._coordinator, self.backend,
                                   self.fuse, size, inference.compare_constants)
-        self._executor = Executor(self._coordinator)
+        self._executor = Executor(self.comm)
+        self._calls = Calls(self._coordinator, self._programs, self._executor)
         # (the options that shape the programs are part of the first request)
-        layout = self._programs.layout(self._point, ("Problem", f"backend={self.backend}",
-                                                     f"fuse={self.fuse}", f"cache={size}"))
+        layout = self._calls.agreed(self._point, ("Problem", f"backend={self.backend}",
+                                                  f"fuse={self.fuse}", f"cache={size}"))
         self.output_names = tuple(layout.outputs)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
         if unknown:
@@ -254,9 +255,12 @@ class Problem:
         `check_replicated` finds replicated values that differ.
         """
         point, refused = moved("run", inputs, self._point, self.copy, trees=self._trees)
-        outs = self._coordinator.retry_if_missed(lambda: self._executor(self._programs.program(
-            "run", (), self._programs.layout(point, ("run",), refused, may_defer=True,
-                                             current=self._point)), point))
+
+        def attempt(call: Call) -> dict[str, np.ndarray]:
+            layout = call.agree(point, ("run",), refused, self._point)
+            return call.run(call.program("run", (), layout), point)
+
+        outs = self._calls(attempt)
         if self.check_replicated:
             _replicated.check_replicated(self.comm, self.distributed, {**point, **outs}, "run")
         self._point = point
@@ -309,16 +313,16 @@ class Problem:
         """`compute_totals`; `check_ranks=False` leaves out the check that the blocks of
         replicated inputs are the same on every rank (`check_totals` reports ranks that
         differ in its own way)."""
-        def attempt() -> _Attempt:
+        def attempt(call: Call) -> _Attempt:
             layout, names, ins, way = self._totals_request(
-                "compute_totals", self._point, of, wrt, mode, return_format, direction)
+                call, "compute_totals", self._point, of, wrt, mode, return_format, direction)
             if not names or not ins:
                 return layout, names, ins, way, None, None
-            program = self._programs.program(
+            program = call.program(
                 "compute_totals", TotalsOptions(mode, names, ins, False, way), layout)
-            return layout, names, ins, way, program, self._executor(program, self._point)
+            return layout, names, ins, way, program, call.run(program, self._point)
 
-        layout, names, ins, way, program, cts = self._coordinator.retry_if_missed(attempt)
+        layout, names, ins, way, program, cts = self._calls(attempt)
         if program is None or cts is None:
             return {}
         check = check_ranks and _assembly.unchecked(program, return_format)
@@ -367,25 +371,24 @@ class Problem:
                                                       self.input_names, self._point)
         count_key = count if count is not None or refused is None else "refused"
 
-        def attempt() -> tuple[Program, dict[str, Any]]:
+        def attempt(call: Call) -> tuple[Program, dict[str, Any]]:
             request = (method, key(of, names=True), key(names, names=True), key(count_key))
-            layout = self._programs.layout(self._point, request, refused, may_defer=True,
-                                           current=self._point)
+            layout = call.agree(self._point, request, refused, self._point)
             ins = check_names(method, "wrt", names, self.input_names,
                               layout.differentiable["inputs"])
             (out,) = check_names(method, "of", of, self.output_names,
                                  layout.differentiable["outputs"])
             check_scalar(method, of, out, layout.outputs[out].shape, self.distributed)
-            program = self._programs.program(method, HvpOptions(out, ins, count is not None),
-                                             layout, make_extra=lambda: (tangents,))
-            found = self._executor(program, self._point, (tangents,))
+            program = call.program(method, HvpOptions(out, ins, count is not None), layout,
+                                   make_extra=lambda: (tangents,))
+            found = call.run(program, self._point, (tangents,))
             if _assembly.unchecked(program, "global"):
                 _assembly.check_replicated_totals(
                     self.comm, layout, {(out, w): found[w] for w in ins}, "global")
                 program.totals_checked.add("global")
             return program, found
 
-        return self._coordinator.retry_if_missed(attempt)[1]
+        return self._calls(attempt)[1]
 
     @one_at_a_time
     def run_and_compute_totals(
@@ -412,19 +415,19 @@ class Problem:
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
                                self._point, self.copy, keywords=False, trees=self._trees)
 
-        def attempt() -> tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program,
-                               dict[Any, Any]]:
+        def attempt(call: Call) -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
+                                         Program, dict[Any, Any]]:
             layout, names, ins, way = self._totals_request(
-                "run_and_compute_totals", point, of, wrt, mode, return_format, direction,
-                refused)
+                call, "run_and_compute_totals", point, of, wrt, mode, return_format,
+                direction, refused)
             if not names or not ins:  # nothing to differentiate: `run`'s program
-                program = self._programs.program("run", (), layout)
+                program = call.program("run", (), layout)
             else:
-                program = self._programs.program(
+                program = call.program(
                     "compute_totals", TotalsOptions(mode, names, ins, True, way), layout)
-            return layout, names, ins, way, program, self._executor(program, point)
+            return layout, names, ins, way, program, call.run(program, point)
 
-        layout, names, ins, way, program, out = self._coordinator.retry_if_missed(attempt)
+        layout, names, ins, way, program, out = self._calls(attempt)
         if names and ins:
             values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
             swept = names if way == "fwd" else ins
@@ -486,7 +489,7 @@ class Problem:
         # the arguments are checked once the ranks agree on them: an error on every rank
         key = _totals.request_key
         point = self._point
-        layout = self._programs.layout(point, (
+        layout = self._calls.agreed(point, (
             "check_totals", key(of, names=True), key(wrt, names=True), key(method),
             key(form), key(step), key(atol), key(rtol)))
         step, atol, rtol = _totals.check_options(method, form, step, atol, rtol)
@@ -542,7 +545,7 @@ class Problem:
         """
         key = _totals.request_key
         point = self._point
-        layout = self._programs.layout(point, (
+        layout = self._calls.agreed(point, (
             "check_hvp", key(of, names=True), key(wrt, names=True), key(directions),
             key(seed), key(step), key(atol), key(rtol)))
         step, atol, rtol = _totals.check_options("fd", "central", step, atol, rtol)
@@ -570,19 +573,19 @@ class Problem:
         finally:
             self.run(**{w: point[w] for w in ins})  # (the current point, as it was)
 
-    def _totals_request(self, method: str, point: dict[str, Any], of: Names, wrt: Names, mode: str,
-                        return_format: str, direction: str,
+    def _totals_request(self, call: Call, method: str, point: dict[str, Any], of: Names,
+                        wrt: Names, mode: str, return_format: str, direction: str,
                         refused: BaseException | None = None,
                         ) -> tuple[Layout, tuple[str, ...], tuple[str, ...], str]:
-        """Agree on a request for totals at `point` and check its arguments.
+        """Agree on a request for totals at `point` as part of `call` and check its
+        arguments.
 
         **Returns:** (the `Layout`, the `of` names, the `wrt` names, the direction of
         the sweeps: `"rev"` or `"fwd"`)."""
         key = _totals.request_key
         request = (method, key(of, names=True), key(wrt, names=True), key(mode),
                    key(return_format), key(direction))
-        layout = self._programs.layout(point, request, refused, may_defer=True,
-                                       current=self._point)
+        layout = call.agree(point, request, refused, self._point)
         of = check_names(method, "of", of, self.output_names,
                          layout.differentiable["outputs"])
         wrt = check_names(method, "wrt", self._trees.expand(wrt), self.input_names,

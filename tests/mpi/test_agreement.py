@@ -645,3 +645,42 @@ def test_a_model_with_collectives_of_its_own_and_changing_block_sizes():
     finally:
         logging.getLogger("jax._src.callback").removeHandler(handler)
     assert not logged, [r.getMessage() for r in logged]  # no callback failed
+
+
+def test_a_steady_call_enters_the_agreement_once_and_makes_it_in_its_program(monkeypatch):
+    from distop._agreement import coordinator as _coordinator
+    from distop._hostcalls import ffi as _ffi
+
+    a_local, _, x0, w = dm.setup(8, 2, comm)
+    problem = distop.Problem(dm.build(a_local, w, "reverse"), {"x": x0}, distributed="x")
+    expected = problem.run()["f0"], problem.compute_totals()["f0", "x"]
+    entered, made = [], []
+    for name, method in list(vars(_coordinator.Coordinator).items()):
+        if name.startswith("__") or not callable(method):
+            continue
+        monkeypatch.setattr(_coordinator.Coordinator, name,
+                            lambda self, *a, _m=method, _n=name, **k:
+                            entered.append(_n) or _m(self, *a, **k))
+    differ = _coordinator.CallAgreement.ranks_differ
+
+    def ranks_differ(self):  # who makes it: the FFI handler, in the program's first call
+        made.append(any(f.f_code is _ffi._handler.__code__ for f in _frames()))
+        return differ(self)
+
+    monkeypatch.setattr(_coordinator.CallAgreement, "ranks_differ", ranks_differ)
+    np.testing.assert_array_equal(problem.run()["f0"], expected[0])
+    np.testing.assert_array_equal(problem.compute_totals()["f0", "x"], expected[1])
+    # one entry into the agreement per call, and one collective, made in the program
+    assert entered == ["request", "request"], entered
+    assert made == [True, True], made
+    assert not hasattr(_coordinator, "_offered")
+
+
+def _frames():
+    """The frames of the calling thread, innermost first."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back

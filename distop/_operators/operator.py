@@ -5,7 +5,7 @@ whose parameter is the `HostCall` to run.
 """
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -270,6 +270,14 @@ class DistributedOperator(eqx.Module):
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+    # A method of an operator is Python's own bound method: equinox would make each
+    # `self.helper` a new pytree Module, which costs more than many a method's work when
+    # `forward` or `vjp` calls it once per host call. (An operator is no value to
+    # trace: its methods run on numpy, in host calls.)
+    if not TYPE_CHECKING:
+        def __getattribute__(self, name: str, /) -> Any:
+            return object.__getattribute__(self, name)
 
 
 def as_arrays(name: str, inputs: Sequence[Any]) -> list[Any]:

@@ -30,7 +30,11 @@ ratios to `hand`. The second: the cost per step, from S1 and S2 steps in a scan
 ((t(S2) - t(S1)) / (S2 - S1)), split into the forward step (`run`) and the reverse
 step (the gradient's step less the forward's), distop against `hand`.
 
-The third (`micro`, one job per rank count): an operator whose methods do no work,
+The built-in reductions in a loop (`collectives`, one job per rank count, at the first
+size): `AllreduceSum`, `Allreduce(op="max")` and `Allgather` once per step, against
+the same loop by hand (see `loop_collectives.py`).
+
+The last (`micro`, one job per rank count): an operator whose methods do no work,
 called S times in a `lax.scan`, per host call: distop's forward and VJP calls against
 the bare FFI call, a no-op handler registered the way distop registers its own (a
 ctypes function answering XLA's metadata query, writing the token), called the same
@@ -47,6 +51,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parent)]
+import loop_collectives  # noqa: E402
 from suite import MARK, fmt, launch, print_table, ratio  # noqa: E402
 
 DIFFUSION = 0.2  # the stencil's coefficient (stable below 0.25)
@@ -374,8 +379,8 @@ def jobs(args):
         for ranks in args.ranks:
             for n in args.sizes if section == "heat" else [None]:
                 key = f"{section} {ranks}" + ("" if n is None else f" {n}")
-                found.append((key, section, ranks,
-                              common + ([] if n is None else ["--size", str(n)])))
+                size = args.sizes[0] if n is None else n
+                found.append((key, section, ranks, common + ["--size", str(size)]))
     return found
 
 
@@ -388,8 +393,8 @@ def main(argv=None):
                         help="the two step counts of the per-step table")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--micro-repeat", type=int, default=40)
-    parser.add_argument("--sections", nargs="+", default=["heat", "micro"],
-                        choices=["heat", "micro"])
+    parser.add_argument("--sections", nargs="+", default=["heat", "collectives", "micro"],
+                        choices=["heat", "collectives", "micro"])
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--no-bind", dest="bind", action="store_false",
@@ -403,6 +408,8 @@ def main(argv=None):
         from mpi4py import MPI
 
         args.bound = args.bind and bind(MPI.COMM_WORLD)
+        if args.worker == "collectives":
+            return loop_collectives.worker(args, rows_of, interleaved, report)
         return {"heat": heat_worker, "micro": micro_worker}[args.worker](args)
     results, failed = {}, False
     for key, section, ranks, options in jobs(args):
@@ -468,6 +475,13 @@ def print_tables(results, args):
                     "(gradient less forward), and the gradient's step",
                     ["P", "n", "hand fwd", "fwd", "fwd-hand", "hand rev", "rev", "rev-hand",
                      "hand grad", "grad", "grad/hand", "rev/fwd"], steps)
+    collectives = loop_collectives.rows(results, fmt, ratio)
+    if collectives:
+        print_table(f"built-in reductions, once per step of {S} in a scan, n = "
+                    f"{args.sizes[0]}, {placed}: run and gradient (ms), against the same "
+                    "loop by hand; err: distop against hand",
+                    ["P", "collective", "hand run", "run", "run/hand", "hand grad", "grad",
+                     "grad/hand", "err"], collectives)
     micro = []
     for key, r in results.items():
         if not key.startswith("micro "):

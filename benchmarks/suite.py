@@ -89,8 +89,9 @@ values and of each gradient over 3 calls, max over ranks. `calls`: host calls in
    runs programs above about 1000 flops (`prog 1+dot`, `prog 16 fused`) on a worker
    thread, host calls included.
 6. `stencil`: benchmarks/stencil.py (the heat equation with `HaloExchange` in a time
-   loop against hand-written numpy + mpi4py, and host calls that do no work against
-   the bare FFI call), under each of `--ranks`, at `--stencil-sizes` (96 384; quick 96),
+   loop against hand-written numpy + mpi4py, the built-in reductions once per step
+   against the same loop by hand, and host calls that do no work against the bare FFI
+   call), under each of `--ranks`, at `--stencil-sizes` (96 384; quick 96),
    with at most 15 repeats (40 for the microbenchmark).
 
 Sections 1, 3, 5 and 6 run under each of `--ranks`, section 2 under `--chain-ranks`,
@@ -804,7 +805,7 @@ def stencil_settings(args):
     return argparse.Namespace(
         ranks=args.ranks, sizes=args.stencil_sizes, steps=50, split=[25, 100],
         repeat=min(args.repeat, 15), micro_repeat=min(args.repeat, 40),
-        sections=["heat", "micro"], timeout=args.timeout, bind=True)
+        sections=["heat", "collectives", "micro"], timeout=args.timeout, bind=True)
 
 
 def stencil_tables(results, args):

@@ -105,6 +105,12 @@ def test_stencil_benchmark_prints_its_tables_with_exact_gradients():
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.split()[:2] == ["2", "12"] and line.split()[2] in ("scan", "python")]
     assert len(rows) == 2 and all(float(row[-1]) < 1e-12 for row in rows), proc.stdout
+    # the built-in reductions in a loop, against the same loop by hand
+    assert "built-in reductions, once per step of 4 in a scan, n = 12, " in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.startswith("2 ") and line.split()[1] in ("AllreduceSum", "Allreduce",
+                                                              "Allgather")]
+    assert len(rows) == 3 and all(float(row[-1]) < 1e-12 for row in rows), proc.stdout
 
 
 def test_shapes_benchmark_finds_the_programs_of_shapes_seen_before():

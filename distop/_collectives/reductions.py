@@ -17,6 +17,8 @@ from .._mpi.runtime import mpi
 from .._operators.operator import DistributedOperator
 
 _OPS = ("sum", "max", "min", "prod")
+# MPI's (value, int) pair types, by the value's dtype (for the owner of an extreme)
+_OWNER_PAIRS = {np.dtype(np.float64): "DOUBLE_INT", np.dtype(np.float32): "FLOAT_INT"}
 
 
 def _others_product(comm: Any, x: np.ndarray) -> np.ndarray:
@@ -107,9 +109,10 @@ class Allreduce(DistributedOperator):
     - `"prod"`: the cotangent times the product of the other ranks' values, computed
       without division, so exact where some values are zero.
 
-    The VJP of max and min issues two Allreduces (the extreme and the rank that owns
-    it), the JVP three; that of prod two exclusive prefix products (`Exscan`), over the
-    ranks and over the ranks in reverse order (a communicator made once, `Split`).
+    The VJP of max and min issues one Allreduce of (value, rank) pairs (two for 16-bit
+    floats: the extreme, then the rank that owns it), the JVP one more; that of prod
+    two exclusive prefix products (`Exscan`), over the ranks and over the ranks in
+    reverse order (a communicator made once, `Split`).
     Second derivatives: max and min are linear where they are differentiable (their
     `hvp` is zero, with no communication); prod's `hvp` takes two exclusive prefix
     products of (value, derivative) pairs.
@@ -176,8 +179,19 @@ class Allreduce(DistributedOperator):
 
     def _owns(self, comm: Any, x: np.ndarray) -> np.ndarray:
         """**Returns:** per element of x, whether this rank is the lowest one holding
-        the extreme."""
+        the extreme: one Allreduce of (value, rank) pairs where MPI has their type
+        (MAXLOC and MINLOC give the lowest rank among equal values), else two."""
         rank = comm.Get_rank()
+        paired = _OWNER_PAIRS.get(x.dtype)
+        if paired is not None:
+            pairs = np.empty(x.shape, np.dtype([("value", x.dtype), ("rank", np.intc)],
+                                               align=True))
+            pairs["value"], pairs["rank"] = x, rank
+            found, kind = np.empty_like(pairs), getattr(mpi(), paired)
+            comm.Allreduce([pairs, kind], [found, kind],
+                           op=mpi().MAXLOC if self.op == "max" else mpi().MINLOC)
+            # (a NaN extreme has no holder: every rank gets zero)
+            return (found["rank"] == rank) & (found["value"] == x)
         extreme = self.forward(comm, x)
         holds = np.where(x == extreme, rank, comm.Get_size()).astype(np.int64)
         lowest = np.empty_like(holds)

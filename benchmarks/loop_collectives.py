@@ -9,9 +9,11 @@ state is this rank's block u of an n x n grid split by rows, S explicit steps in
 - `Allgather`: u <- u - dt (u - w . g / N), g every rank's sum(u), w fixed weights.
 
 The objective is 0.5 ||u_S - d||^2 summed by `AllreduceSum`; the gradient is with
-respect to u0. The hand-written loop makes one buffer `Allreduce` (or `Allgather`) per
-step forward, keeps every state, and one `Allreduce` per step in its adjoint, the one
-the adjoint of a value every rank shares takes. Both run interleaved, call by call.
+respect to u0. On one rank, `jax` is plain JAX: the same loop with every collective the
+identity, `jax.jit` of the value and of `jax.grad`, no host call. The hand-written loop
+makes one buffer `Allreduce` (or `Allgather`) per step forward, keeps every state, and
+one `Allreduce` per step in its adjoint, the one the adjoint of a value every rank
+shares takes. Every variant runs interleaved, call by call.
 """
 
 import numpy as np
@@ -24,15 +26,20 @@ def weights(size):
     return np.linspace(1.0, 2.0, size)
 
 
-def models(steps, size, total_rows, n):
-    """**Returns:** {name: model(u, d)} of every collective, `steps` steps in a scan."""
+def models(steps, size, total_rows, n, plain=False):
+    """**Returns:** {name: model(u, d)} of every collective, `steps` steps in a scan;
+    `plain`: on one rank, plain JAX (each collective the identity on one rank's value)."""
     import jax.numpy as jnp
     from jax import lax
 
     import distop
 
-    total, biggest, gather = distop.AllreduceSum(), distop.Allreduce(op="max"), \
-        distop.Allgather()
+    if plain:
+        total = biggest = lambda v: v  # noqa: E731
+        gather = lambda v: v[None]  # noqa: E731
+    else:
+        total, biggest, gather = distop.AllreduceSum(), distop.Allreduce(op="max"), \
+            distop.Allgather()
     count, w = float(total_rows * n), jnp.asarray(weights(size))
 
     def by_sum(u):
@@ -47,7 +54,8 @@ def models(steps, size, total_rows, n):
     def looped(step):
         def model(u, d):
             u = lax.scan(lambda u, _: (step(u), None), u, None, length=steps)[0]
-            return {"f": total(0.5 * jnp.sum((u - d) ** 2))}
+            f = total(0.5 * jnp.sum((u - d) ** 2))
+            return f if plain else {"f": f}
         return model
 
     return {"AllreduceSum": looped(by_sum), "Allreduce max": looped(by_max),
@@ -159,6 +167,13 @@ def worker(args, rows_of, interleaved, report):
         err = max(err, abs(float(np.asarray(made.run()["f"])) - exact_f) / abs(exact_f),
                   float(np.max(np.abs(mine - exact_g), initial=0.0))
                   / float(np.max(np.abs(exact_g))))
+    if size == 1:  # plain JAX: what XLA's loop costs without any host call
+        device_u0 = jax.device_put(u0)
+        for name, model in models(steps, size, n, n, plain=True).items():
+            value = jax.jit(lambda u, model=model: model(u, d))
+            gradient = jax.jit(jax.grad(lambda u, model=model: model(u, d)))
+            variants[f"{name} jax run"] = lambda f=value: f(device_u0).block_until_ready()
+            variants[f"{name} jax grad"] = lambda f=gradient: f(device_u0).block_until_ready()
     result = interleaved(comm, variants, args.repeat)
     result["err"] = comm.allreduce(err, op=MPI.MAX)
     report(comm, result, args)
@@ -176,5 +191,6 @@ def rows(results, fmt, ratio):
                           fmt(ratio(r[f"{name} run"], r[f"{name} hand run"]), "x"),
                           fmt(r[f"{name} hand grad"], "ms"), fmt(r[f"{name} grad"], "ms"),
                           fmt(ratio(r[f"{name} grad"], r[f"{name} hand grad"]), "x"),
-                          fmt(r["err"], "e")])
+                          fmt(r.get(f"{name} jax run"), "ms"),
+                          fmt(r.get(f"{name} jax grad"), "ms"), fmt(r["err"], "e")])
     return found

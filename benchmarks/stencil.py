@@ -481,7 +481,7 @@ def print_tables(results, args):
                     f"{args.sizes[0]}, {placed}: run and gradient (ms), against the same "
                     "loop by hand; err: distop against hand",
                     ["P", "collective", "hand run", "run", "run/hand", "hand grad", "grad",
-                     "grad/hand", "err"], collectives)
+                     "grad/hand", "jax run", "jax grad", "err"], collectives)
     micro = []
     for key, r in results.items():
         if not key.startswith("micro "):

@@ -4,6 +4,7 @@ Every helper takes a whole batch at once, a leading axis B before the rows, so t
 batch costs one collective. Blocks may differ in size between ranks and be empty.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,12 @@ def gather_blocks(comm: Any, block: np.ndarray) -> np.ndarray:
     **Returns:** the (B, N, ...) concatenation of every rank's block, on every rank.
     """
     counts = block_counts(comm, block.shape[1], "gathered")
+    if block.shape[0] == 1:  # (one batch row: its rows are already rows first)
+        moved = np.ascontiguousarray(block[0])
+        out = np.empty((sum(counts),) + moved.shape[1:], block.dtype)
+        tail = math.prod(moved.shape[1:])
+        comm.Allgatherv(moved, [out, [c * tail for c in counts]])
+        return out[None]
     moved = rows_first(block)
     tail = int(np.prod(moved.shape[1:]))
     out = np.empty((sum(counts),) + moved.shape[1:], block.dtype)

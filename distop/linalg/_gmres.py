@@ -139,21 +139,7 @@ def _cycle(solve: Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
     norms: list[float] = []  # the Hessenberg matrix's column norms, before the rotations
     count, scale = 0, 0.0  # scale: the largest of them
     for j in range(min(restart, solve.maxiter - iterations)):
-        z, failure = solve.prepare(basis[j])
-        w, failure_w = solve.apply(z)
-        # Gram-Schmidt twice against the basis; one sum per pass, with ||w||^2
-        first = solve.sum(np.append(basis[:j + 1] @ w, solve.dot(w, w)), failure or failure_w)
-        h, ww = first[:-1], first[-1]
-        w -= h @ basis[:j + 1]
-        second = solve.sum(np.append(basis[:j + 1] @ w, solve.dot(w, w)))
-        h2, ww2 = second[:-1], second[-1]
-        w -= h2 @ basis[:j + 1]
-        # ||w||^2 after the second pass, without a third sum unless it cancels badly
-        left = ww2 - float(h2 @ h2)
-        if not left > 0.5 * ww2:
-            left = float(solve.sum([solve.dot(w, w)])[0])
-        column = [float(v) for v in h + h2]
-        h_next = math.sqrt(left) if left > 0.0 else 0.0 if left == 0.0 else math.nan
+        w, column, h_next, ww = _arnoldi(solve, basis, j)
         if not (math.isfinite(h_next) and math.isfinite(ww) and all(map(math.isfinite, column))):
             return _Step(0), NAN_WHY.format(iterations + count)
         norms.append(math.sqrt(sum(v * v for v in column) + h_next * h_next))
@@ -176,6 +162,55 @@ def _cycle(solve: Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
         if invariant or singular or abs(g[j + 1]) <= solve.tolerance or j + 1 == restart:
             break
         basis[j + 1] = w / h_next
+    return _choices(columns, g, norms, scale, eps, iterations, basis.dtype)
+
+
+def _arnoldi(solve: Solve, basis: np.ndarray, j: int,
+             ) -> tuple[np.ndarray, list[float], float, float]:
+    """The next column of the Hessenberg matrix: A M^-1 of `basis[j]`, orthogonalized
+    against the basis by Gram-Schmidt twice, one sum per pass.
+
+    **Arguments:**
+    - `solve`: the solve.
+    - `basis`: the basis, its first `j + 1` vectors made.
+    - `j`: the basis vector to extend from.
+
+    **Returns:** (this rank's block of the orthogonalized vector; its coefficients on the
+    basis, the column; its global norm, the column's entry below; its global squared
+    norm before the orthogonalization).
+    """
+    z, failure = solve.prepare(basis[j])
+    w, failure_w = solve.apply(z)
+    first = solve.sum(np.append(basis[:j + 1] @ w, solve.dot(w, w)), failure or failure_w)
+    h, ww = first[:-1], first[-1]
+    w -= h @ basis[:j + 1]
+    second = solve.sum(np.append(basis[:j + 1] @ w, solve.dot(w, w)))
+    h2, ww2 = second[:-1], second[-1]
+    w -= h2 @ basis[:j + 1]
+    # ||w||^2 after the second pass, without a third sum unless it cancels badly
+    left = ww2 - float(h2 @ h2)
+    if not left > 0.5 * ww2:
+        left = float(solve.sum([solve.dot(w, w)])[0])
+    column = [float(v) for v in h + h2]
+    h_next = math.sqrt(left) if left > 0.0 else 0.0 if left == 0.0 else math.nan
+    return w, column, h_next, float(ww)
+
+
+def _choices(columns: list[list[float]], g: list[float], norms: list[float], scale: float,
+             eps: float, iterations: int, dtype: np.dtype) -> tuple[_Step, str | None]:
+    """The updates a cycle offers, from its rotated Hessenberg matrix, best first.
+
+    **Arguments:**
+    - `columns`: the rotated Hessenberg matrix, by columns (one per iteration).
+    - `g`: the rotated right-hand side of the small least-squares problem.
+    - `norms`, `scale`: the columns' norms before the rotations, and the largest.
+    - `eps`: the working dtype's machine epsilon.
+    - `iterations`: the iterations made before the cycle.
+    - `dtype`: the working dtype.
+
+    **Returns:** as `_cycle`.
+    """
+    count = len(columns)
     # A pivot tiny beside its own column (that column nearly in the span of those before
     # it) would give huge coefficients that cancel only in exact arithmetic. The choice
     # keeps the columns before the first one. Their triangle and rotated right-hand side
@@ -202,5 +237,5 @@ def _cycle(solve: Solve, basis: np.ndarray, r: np.ndarray, r_norm: float,
             rest = sum(columns[m][i] * y[m] for m in range(i + 1, k))
             y[i] = (g[i] - rest) / columns[i][i]
         estimate = math.sqrt(sum(v * v for v in g[k:]))
-        step.choices.append((np.array(y, dtype=basis.dtype), estimate))
+        step.choices.append((np.array(y, dtype=dtype), estimate))
     return step, None

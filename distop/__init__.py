@@ -42,10 +42,10 @@ from ._operators.kinds import Kind as Kind
 from ._operators.operator import DistributedOperator as DistributedOperator
 from ._problem.problem import Problem as Problem
 from ._problem.problem import empty as empty
+from ._problem.shard import shard as shard
 from ._totals.operator_check import OperatorCheck as OperatorCheck
 from ._totals.operator_check import check_operator as check_operator
 from ._totals.totals import TotalsCheck as TotalsCheck
-from ._totals.totals import shard as shard
 
 # the public names, re-exported above
 __all__ = [

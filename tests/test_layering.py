@@ -6,8 +6,8 @@ import ast
 
 from helpers import ROOT
 
-# Private names read across modules where the file to change belongs to another refactor
-# under way: (reading module, module read, name). An entry goes once its name is public.
+# Private names a module may read from another, as (reading module, module read, name):
+# none. Where a name is read across modules, make it public instead.
 ALLOWED_PRIVATE_READS = frozenset()
 
 # The layers, from the bottom: a module may import its own layer and those below it. An

@@ -16,7 +16,7 @@ from helpers import CORE, ROOT, SUITE_TIMEOUT, TESTS, run_mpi, run_tests
 
 import distop
 from distop import _config
-from distop._mpi import runtime as _runtime
+from distop._mpi import notices as _notices
 from distop._mpi.launch import diagnose
 from distop._mpi.tracebacks import format_exception
 from distop._safety import watchdog as _watchdog
@@ -156,22 +156,22 @@ class _Eight:
 
 def test_a_failing_rank_tells_the_relay_only_which_passes_on_the_news(monkeypatch):
     sent = []
-    monkeypatch.setattr(_runtime, "_post", lambda comm, data, ranks: sent.append(list(ranks)))
+    monkeypatch.setattr(_notices, "_post", lambda comm, data, ranks: sent.append(list(ranks)))
     for name, empty in (("_heard", []), ("_failed", set()), ("_arrived", {})):
-        monkeypatch.setattr(_runtime, name, empty)
-    _runtime._send(_Eight(), _runtime._Notice(5, True, "d", "failed in X.forward"))
-    _runtime._send(_Eight(), _runtime._Notice(0, True, "d", "failed in X.forward"))
+        monkeypatch.setattr(_notices, name, empty)
+    _notices._send(_Eight(), _notices._Notice(5, True, "d", "failed in X.forward"))
+    _notices._send(_Eight(), _notices._Notice(0, True, "d", "failed in X.forward"))
     assert sent == [[0], list(range(1, 8))]  # (the relay's own: to every other rank)
     # the relay heard ranks 3-7 fail alike, and rank 2 report a failure elsewhere
     for r in (7, 3, 5, 4, 6):
-        assert _runtime._learn(_runtime._Notice(r, True, "d", "failed in X.forward"))
-    assert not _runtime._learn(_runtime._Notice(3, True, "d", "failed in X.forward"))
-    _runtime._learn(_runtime._Notice(2, False, "e", "raised DistopError"))
-    news = _runtime._news()
-    monkeypatch.setattr(_runtime, "_failed", set())
+        assert _notices._learn(_notices._Notice(r, True, "d", "failed in X.forward"))
+    assert not _notices._learn(_notices._Notice(3, True, "d", "failed in X.forward"))
+    _notices._learn(_notices._Notice(2, False, "e", "raised DistopError"))
+    news = _notices._news()
+    monkeypatch.setattr(_notices, "_failed", set())
     # a rank that reads it learns the lowest notice of each kind, and every rank that failed
-    assert [(n.rank, n.own) for n in _runtime._read(news, 0)] == [(2, False), (3, True)]
-    assert _runtime._failed == {2, 3, 4, 5, 6, 7}
+    assert [(n.rank, n.own) for n in _notices._read(news, 0)] == [(2, False), (3, True)]
+    assert _notices._failed == {2, 3, 4, 5, 6, 7}
 
 
 @pytest.mark.mpi

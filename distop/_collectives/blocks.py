@@ -45,11 +45,6 @@ def batch_first(rows: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(rows, 0, 1))
 
 
-def row_size(block: np.ndarray) -> int:
-    """**Returns:** the elements of one row of a (B, n, ...) block, over the batch."""
-    return int(block.shape[0] * np.prod(block.shape[2:], dtype=np.int64))
-
-
 def block_counts(comm: Any, rows: int, what: str = "rows") -> list[int]:
     """Every rank's `rows`, the size of one of a method's blocks.
 

@@ -86,6 +86,60 @@ def check_operator(op: DistributedOperator, *inputs: Any,
     rep_in, rep_out = _positions(name, "inputs", replicated_inputs, len(arrays)), _positions(
         name, "outputs", replicated_outputs, len(outs))
     _check_same_call(comm, name, arrays, outs, rep_in, rep_out)
+    s = _sample(op, comm, arrays, outs, rep_in, rep_out, seed)
+    if step is None:
+        step = default_step("fd", [a.dtype for a in s.primals]
+                            + [outs[k].dtype for k in s.real_out])
+    results, jvp, vjp, pullback = _first_order(s, step, atol, rtol)
+    results += _batched_checks(s, step, atol, rtol, jvp, vjp, pullback)
+    if vjp is not None and jvp is not None and implements(op, "hvp") and s.real_out:
+        others = [_draw(seed, rank, arrays[i].shape, arrays[i].dtype, i in rep_in, 2000 + i)
+                  for i in s.diff]
+        results += _hvp_checks(comm, s.f, s.primals, s.tangents, others, s.cotangents,
+                               s.w_in, step, atol, rtol)
+    found = {r.pair: r for r in results}
+    _report(found, name, size, arrays, outs, out_stream, rank)
+    failed = [r for r in results if not r.ok]
+    if raise_on_error and failed:
+        raise DerivativeCheckError(f"check_operator({name}): " + "; ".join(
+            f"{r.pair}: error {r.abs_error:.2e} > allowed {r.allowed:.2e} at {r.where}"
+            for r in failed))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """An operator as a function of its differentiable inputs, at this rank's inputs,
+    with the random tangents and cotangents the checks apply it to.
+
+    **Arguments:**
+    - `comm`: the operator's private communicator.
+    - `f`: the operator's outputs, a tuple, from its differentiable inputs.
+    - `diff`: the positions of the differentiable inputs.
+    - `real_out`: the positions of the differentiable outputs.
+    - `primals`: the differentiable inputs.
+    - `tangents`: a random tangent per differentiable input.
+    - `cotangents`: a random cotangent per output (zeros of dtype float0 for the others).
+    - `w_in`, `w_out`: the weight of each rank's share of a differentiable input's and
+      output's pairing in a sum over the ranks: a replicated value counted once.
+    """
+
+    comm: Any
+    f: Callable[..., tuple[Any, ...]]
+    diff: list[int]
+    real_out: list[int]
+    primals: list[Any]
+    tangents: list[np.ndarray]
+    cotangents: list[np.ndarray]
+    w_in: list[float]
+    w_out: list[float]
+
+
+def _sample(op: DistributedOperator, comm: Any, arrays: Sequence[Any], outs: Sequence[Any],
+            rep_in: set[int], rep_out: set[int], seed: int) -> _Sample:
+    """**Returns:** the operator at this rank's inputs `arrays` (its outputs `outs`),
+    with tangents and cotangents drawn from `seed` (see `_draw`)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
     diff = [i for i, a in enumerate(arrays) if inexact_dtype(a.dtype)]
     real_out = [k for k, y in enumerate(outs) if inexact_dtype(y.dtype)]
 
@@ -95,70 +149,79 @@ def check_operator(op: DistributedOperator, *inputs: Any,
             args[i] = v
         return _tuple(op(*args))
 
-    def draw(shape: Sequence[int], dtype: Any, replicated: bool, salt: int) -> np.ndarray:
-        rng = np.random.default_rng([seed, salt, 0 if replicated else rank + 1])
-        drawn = rng.standard_normal(tuple(shape))
-        if jnp.issubdtype(dtype, jnp.complexfloating):
-            drawn = drawn + 1j * rng.standard_normal(tuple(shape))
-        return np.asarray(drawn, dtype)
+    tangents = [_draw(seed, rank, arrays[i].shape, arrays[i].dtype, i in rep_in, i)
+                for i in diff]
+    cotangents = [_draw(seed, rank, y.shape, y.dtype, k in rep_out, 1000 + k)
+                  if k in real_out else np.zeros(y.shape, jax.dtypes.float0)
+                  for k, y in enumerate(outs)]
+    return _Sample(comm, f, diff, real_out, [arrays[i] for i in diff], tangents, cotangents,
+                   [1 / size if i in rep_in else 1.0 for i in diff],
+                   [1 / size if k in rep_out else 1.0 for k in real_out])
 
-    primals = [arrays[i] for i in diff]
-    tangents = [draw(arrays[i].shape, arrays[i].dtype, i in rep_in, i) for i in diff]
-    cotangents = [draw(y.shape, y.dtype, k in rep_out, 1000 + k) if k in real_out
-                  else np.zeros(y.shape, jax.dtypes.float0) for k, y in enumerate(outs)]
-    # the weight of each rank's share in a sum over ranks: a replicated value once
-    w_in = [1 / size if i in rep_in else 1.0 for i in diff]
-    w_out = [1 / size if k in rep_out else 1.0 for k in real_out]
 
+def _draw(seed: int, rank: int, shape: Sequence[int], dtype: Any, replicated: bool,
+          salt: int) -> np.ndarray:
+    """**Returns:** a random array of `shape` and `dtype`, from `seed` and `salt`: the
+    same on every rank where `replicated`, this rank's own otherwise."""
+    rng = np.random.default_rng([seed, salt, 0 if replicated else rank + 1])
+    drawn = rng.standard_normal(tuple(shape))
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        drawn = drawn + 1j * rng.standard_normal(tuple(shape))
+    return np.asarray(drawn, dtype)
+
+
+def _first_order(s: _Sample, step: float, atol: float, rtol: float,
+                 ) -> tuple[list[OperatorCheck], Any, Any, Any]:
+    """The checks of `jvp` and `vjp` against finite differences and each other.
+
+    **Returns:** (the checks; the jvp along the tangents, the vjp of the cotangents, and
+    the pullback of `jax.vjp`, each None where the operator lacks what it needs).
+    """
+    fd, fd_error = _differences(s.f, s.primals, s.tangents, s.real_out, step)
+    jvp = _try(lambda: jax.jvp(s.f, s.primals, s.tangents)[1])
+    pullback = jax.vjp(s.f, *s.primals)[1] if s.diff else None
+    vjp = _try(lambda: pullback(tuple(s.cotangents))) if pullback is not None else None
     results: list[OperatorCheck] = []
-    if step is None:
-        step = default_step("fd", [a.dtype for a in primals] + [outs[k].dtype for k in real_out])
-    fd, fd_error = _differences(f, primals, tangents, real_out, step)
-    jvp = _try(lambda: jax.jvp(f, primals, tangents)[1])
-    pullback = jax.vjp(f, *primals)[1] if diff else None
-    vjp = _try(lambda: pullback(tuple(cotangents))) if pullback is not None else None
     if jvp is not None:
-        got = _flat([jvp[k] for k in real_out])
-        results.append(_entrywise(comm, "jvp vs fd", got, fd, atol + rtol * np.abs(fd),
+        got = _flat([jvp[k] for k in s.real_out])
+        results.append(_entrywise(s.comm, "jvp vs fd", got, fd, atol + rtol * np.abs(fd),
                                   fd_error))
     if vjp is not None:
-        right = _pairing(vjp, tangents, w_in)
+        right = _pairing(vjp, s.tangents, s.w_in)
         for pair, ydot, error in (("vjp vs fd", fd, fd_error),
                                   ("vjp vs jvp", None if jvp is None else _flat(
-                                      [jvp[k] for k in real_out]), 0.0)):
+                                      [jvp[k] for k in s.real_out]), 0.0)):
             if ydot is None:
                 continue
-            left = _pairing_flat([cotangents[k] for k in real_out], ydot, w_out, error)
-            results.append(_dot(comm, pair, left, right, atol, rtol))
-    if diff:
+            left = _pairing_flat([s.cotangents[k] for k in s.real_out], ydot, s.w_out, error)
+            results.append(_dot(s.comm, pair, left, right, atol, rtol))
+    return results, jvp, vjp, pullback
+
+
+def _batched_checks(s: _Sample, step: float, atol: float, rtol: float, jvp: Any, vjp: Any,
+                    pullback: Any) -> list[OperatorCheck]:
+    """**Returns:** the checks of forward, `jvp` and `vjp` on a batch of two rows against
+    the rows one by one (those the operator has; see `_first_order`)."""
+    f, real_out, comm = s.f, s.real_out, s.comm
+    results: list[OperatorCheck] = []
+    if s.diff:
         results.append(_batched(comm, "forward batched", lambda x: _jflat(
             [f(*x)[k] for k in real_out]), [np.stack([p, p + step * t])
-                                            for p, t in zip(primals, tangents)], atol, rtol))
+                                            for p, t in zip(s.primals, s.tangents)], atol, rtol))
     if jvp is not None:
         results.append(_batched(comm, "jvp batched", lambda t: _jflat(
-            [jax.jvp(f, primals, list(t))[1][k] for k in real_out]),
-            [np.stack([t, -2 * t]) for t in tangents], atol, rtol))
+            [jax.jvp(f, s.primals, list(t))[1][k] for k in real_out]),
+            [np.stack([t, -2 * t]) for t in s.tangents], atol, rtol))
     if vjp is not None and pullback is not None and real_out:
         def pulled(rows: Sequence[Any]) -> Any:
-            given = list(cotangents)
+            given = list(s.cotangents)
             for k, c in zip(real_out, rows):
                 given[k] = c
             return _jflat(pullback(tuple(given)))
 
         results.append(_batched(comm, "vjp batched", pulled, [
-            np.stack([cotangents[k], -2 * cotangents[k]]) for k in real_out], atol, rtol))
-    if vjp is not None and jvp is not None and implements(op, "hvp") and real_out:
-        others = [draw(arrays[i].shape, arrays[i].dtype, i in rep_in, 2000 + i) for i in diff]
-        results += _hvp_checks(comm, f, primals, tangents, others, cotangents, w_in, step,
-                               atol, rtol)
-    found = {r.pair: r for r in results}
-    _report(found, name, size, arrays, outs, out_stream, rank)
-    failed = [r for r in results if not r.ok]
-    if raise_on_error and failed:
-        raise DerivativeCheckError(f"check_operator({name}): " + "; ".join(
-            f"{r.pair}: error {r.abs_error:.2e} > allowed {r.allowed:.2e} at {r.where}"
-            for r in failed))
-    return found
+            np.stack([s.cotangents[k], -2 * s.cotangents[k]]) for k in real_out], atol, rtol))
+    return results
 
 
 def _hvp_checks(comm: Any, f: Callable[..., Any], primals: Sequence[Any],

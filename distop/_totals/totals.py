@@ -4,22 +4,18 @@ on."""
 import dataclasses
 import math
 import numbers
-import operator
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-from .._agreement import comm as _comm
-from .._agreement.coordinator import stable_hash
 from .._compiler.layout import Layout
 from .._compiler.tracing import FDOptions
 from .._diagnostics import progress as _progress
 from .._errors import DerivativeCheckError, DistopError
-from .._mpi.runtime import world
 from .assembly import Blocks, flat_counts, gather_columns, gather_rows
 from .differences import (
     FORMS,
@@ -414,47 +410,15 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
     and for an entry z = x + iy of a complex input, d/dx - i d/dy of it (for a
     holomorphic function, its complex derivative): a complex entry is perturbed along
     both axes. The complex step perturbs a real entry along the imaginary axis."""
-    comm, rank, layout = evaluations.comm, evaluations.comm.Get_rank(), evaluations.layout
     factors = multiples(method, form)
-    # (an input's own sizes: an output may have its name)
-    sizes = [sum(flat_counts(layout, w)) if w in layout.counts
-             else math.prod(layout.inputs[w].shape) for w in wrt]
-    axes = [(1, 1j) if np.issubdtype(layout.inputs[w].dtype, np.complexfloating) else (1,)
-            for w in wrt]
-    offsets = np.cumsum([0] + [size * len(a) for size, a in zip(sizes, axes)])
-    n = int(offsets[-1])
-    deltas: dict[str, np.ndarray] = {}
+    inputs = _perturbed_inputs(evaluations.layout, wrt)
+    n = inputs[-1].offset + inputs[-1].size * len(inputs[-1].directions)
     steps = np.zeros((len(factors), n))  # the step each perturbation really took
-    scales: dict[str, float] = {}  # the largest magnitude of each input
+    deltas: dict[str, np.ndarray] = {}
     magnitudes: dict[str, np.ndarray] = {}  # |x| of each input, every entry
-    for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
-        spec = layout.inputs[w]
-        dtype = np.result_type(spec.dtype, np.complex64) if method == "cs" else spec.dtype
-        x = np.asarray(evaluations.point[w]).reshape(-1)
-        start, stop = layout.local_rows(w, rank) if w in layout.counts else (0, size)
-        delta = np.zeros((len(factors) * n, x.size), dtype)
-        # per multiple and axis, the step each entry really took; last, |x| itself
-        taken = np.zeros((len(factors) * len(directions) + 1, x.size))
-        taken[-1] = np.abs(x)
-        for k, factor in enumerate(factors):  # this rank perturbs the entries it owns
-            for a, direction in enumerate(directions):
-                amount = factor * step * direction
-                d = np.full(x.size, amount if np.iscomplexobj(delta) else amount.real, dtype)
-                delta[k * n + offset + a * size + np.arange(start, stop),
-                      np.arange(x.size)] = d
-                # (x + d) - x is exact: the step as the input's precision rounds it,
-                # signed, along the axis perturbed (the imaginary one for the complex step)
-                axis = direction * (1j if method == "cs" else 1)
-                taken[k * len(directions) + a] = (((x + d) - x) * np.conj(axis)).real
-        deltas[w] = delta.reshape((len(factors) * n,) + spec.shape)
-        if w in layout.counts:
-            taken = gather_columns(comm, taken, flat_counts(layout, w))
-        for k in range(len(factors)):
-            for a in range(len(directions)):
-                steps[k, offset + a * size:offset + (a + 1) * size] = taken[
-                    k * len(directions) + a]
-        scales[w] = float(np.max(taken[-1], initial=0.0))
-        magnitudes[w] = taken[-1]
+    for w in inputs:
+        deltas[w.name], magnitudes[w.name] = _perturb(evaluations, w, method, factors, step,
+                                                      steps)
     if len(factors) * n > 256:
         say(f"check_totals: evaluating {len(factors) * n} perturbed points in one batched "
             "call")
@@ -468,33 +432,132 @@ def _differences(evaluations: Evaluations, of: tuple[str, ...], wrt: tuple[str, 
             if method == "cs" and not np.iscomplexobj(v):
                 raise DistopError(_dropped_imaginary(o))
             at = [v[k * n:(k + 1) * n] for k in range(len(factors))]
-            for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
-                eps = max(float(jnp.finfo(layout.outputs[o].dtype).eps),
-                          float(jnp.finfo(layout.inputs[w].dtype).eps))
-                parts = [estimate(method, form,
-                                  [a_[offset + a * size:offset + (a + 1) * size] for a_ in at],
-                                  None if base is None else np.asarray(base[o]).reshape(1, -1),
-                                  [s[offset + a * size:offset + (a + 1) * size, None]
-                                   for s in steps], eps)
-                         for a in range(len(directions))]
-                value = parts[0].value if len(parts) == 1 else parts[0].value - 1j * parts[1].value
-                blocks: list[np.ndarray] = [
-                    value, np.sum([p.rounding for p in parts], axis=0),
-                    np.sum([p.truncation for p in parts], axis=0)]
-                # local rows of o, gathered from every rank where o is distributed
-                blocks = [np.ascontiguousarray(b.T) for b in blocks]
-                if o in layout.counts:
-                    counts = flat_counts(layout, o)
-                    blocks = [gather_rows(comm, b, counts) for b in blocks]
-                estimates[o, w] = Estimate(blocks[0], blocks[1], blocks[2], eps, scales[w])
+            for w in inputs:
+                estimates[o, w.name] = _estimate_block(
+                    evaluations, o, w, method, form, at, base, steps,
+                    float(np.max(magnitudes[w.name], initial=0.0)))
             # the size of the terms each entry of o is made of, over every input perturbed
             terms = sum(np.abs(estimates[o, w].value) @ magnitudes[w] for w in wrt)
-            for w, offset, size, directions in zip(wrt, offsets, sizes, axes):
-                found = estimates[o, w]
-                found.rounding = found.rounding + len(directions) * terms_rounding(
-                    method, form, [s[offset:offset + size] for s in steps], found.eps,
+            for w in inputs:
+                found = estimates[o, w.name]
+                found.rounding = found.rounding + len(w.directions) * terms_rounding(
+                    method, form, [s[w.rows(0)] for s in steps], found.eps,
                     np.asarray(terms))
     return estimates
+
+
+class _Perturbed(NamedTuple):
+    """Where one input's perturbations sit among those of every input, in the rows of
+    one multiple of the step: one row per entry and axis, axis by axis.
+
+    **Arguments:**
+    - `name`: the input.
+    - `offset`: its first row.
+    - `size`: its number of entries, over every rank.
+    - `directions`: the axes it is perturbed along: (1,), or (1, 1j) for a complex input.
+    """
+
+    name: str
+    offset: int
+    size: int
+    directions: tuple[complex, ...]
+
+    def rows(self, axis: int) -> slice:
+        """**Returns:** the rows of its perturbations along `directions[axis]`."""
+        return slice(self.offset + axis * self.size, self.offset + (axis + 1) * self.size)
+
+
+def _perturbed_inputs(layout: Layout, wrt: tuple[str, ...]) -> list[_Perturbed]:
+    """**Returns:** where the perturbations of each input of `wrt` sit, in order."""
+    found, offset = [], 0
+    for w in wrt:
+        # (an input's own sizes: an output may have its name)
+        size = (sum(flat_counts(layout, w)) if w in layout.counts
+                else math.prod(layout.inputs[w].shape))
+        complex_input = np.issubdtype(layout.inputs[w].dtype, np.complexfloating)
+        directions: tuple[complex, ...] = (1, 1j) if complex_input else (1,)
+        found.append(_Perturbed(w, offset, size, directions))
+        offset += size * len(directions)
+    return found
+
+
+def _perturb(evaluations: Evaluations, w: _Perturbed, method: str,
+             factors: tuple[complex, ...], step: float,
+             steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The deltas of one input: this rank perturbs the entries it owns, per multiple of
+    the step and axis.
+
+    **Arguments:**
+    - `evaluations`: what `check_totals` evaluates.
+    - `w`: the input and where its perturbations sit.
+    - `method`, `step`: those of `check_totals`.
+    - `factors`: the multiples of the step (see `multiples`).
+    - `steps`: (multiples, rows of one multiple): the step each perturbation really
+      took; the input's columns are filled here, from every rank's entries.
+
+    **Returns:** (its deltas, one batch row per perturbation of every input; |x| of each
+    of its entries, on every rank).
+    """
+    layout, rank = evaluations.layout, evaluations.comm.Get_rank()
+    spec, n = layout.inputs[w.name], steps.shape[1]
+    dtype = np.result_type(spec.dtype, np.complex64) if method == "cs" else spec.dtype
+    x = np.asarray(evaluations.point[w.name]).reshape(-1)
+    start, stop = layout.local_rows(w.name, rank) if w.name in layout.counts else (0, w.size)
+    delta = np.zeros((len(factors) * n, x.size), dtype)
+    # per multiple and axis, the step each entry really took; last, |x| itself
+    taken = np.zeros((len(factors) * len(w.directions) + 1, x.size))
+    taken[-1] = np.abs(x)
+    for k, factor in enumerate(factors):
+        for a, direction in enumerate(w.directions):
+            amount = factor * step * direction
+            d = np.full(x.size, amount if np.iscomplexobj(delta) else amount.real, dtype)
+            delta[k * n + w.rows(a).start + np.arange(start, stop), np.arange(x.size)] = d
+            # (x + d) - x is exact: the step as the input's precision rounds it,
+            # signed, along the axis perturbed (the imaginary one for the complex step)
+            axis = direction * (1j if method == "cs" else 1)
+            taken[k * len(w.directions) + a] = (((x + d) - x) * np.conj(axis)).real
+    if w.name in layout.counts:
+        taken = gather_columns(evaluations.comm, taken, flat_counts(layout, w.name))
+    for k in range(len(factors)):
+        for a in range(len(w.directions)):
+            steps[k, w.rows(a)] = taken[k * len(w.directions) + a]
+    return delta.reshape((len(factors) * n,) + spec.shape), taken[-1]
+
+
+def _estimate_block(evaluations: Evaluations, o: str, w: _Perturbed, method: str,
+                    form: str, at: list[np.ndarray], base: dict[str, Any] | None,
+                    steps: np.ndarray, scale: float) -> Estimate:
+    """The estimate of one block, with the error it carries, on every rank.
+
+    **Arguments:**
+    - `evaluations`: what `check_totals` evaluates.
+    - `o`: the output.
+    - `w`: the input and where its perturbations sit.
+    - `method`, `form`: those of `check_totals`.
+    - `at`: per multiple of the step, this rank's values of `o` at every perturbation.
+    - `base`: the outputs at the point itself, where the form needs them.
+    - `steps`: the step each perturbation really took (see `_perturb`).
+    - `scale`: the largest magnitude of the input's entries.
+
+    **Returns:** the block's `Estimate`, every row of `o` on every rank.
+    """
+    layout = evaluations.layout
+    eps = max(float(jnp.finfo(layout.outputs[o].dtype).eps),
+              float(jnp.finfo(layout.inputs[w.name].dtype).eps))
+    parts = [estimate(method, form, [a_[w.rows(a)] for a_ in at],
+                      None if base is None else np.asarray(base[o]).reshape(1, -1),
+                      [s[w.rows(a), None] for s in steps], eps)
+             for a in range(len(w.directions))]
+    value = parts[0].value if len(parts) == 1 else parts[0].value - 1j * parts[1].value
+    blocks: list[np.ndarray] = [
+        value, np.sum([p.rounding for p in parts], axis=0),
+        np.sum([p.truncation for p in parts], axis=0)]
+    # local rows of o, gathered from every rank where o is distributed
+    blocks = [np.ascontiguousarray(b.T) for b in blocks]
+    if o in layout.counts:
+        counts = flat_counts(layout, o)
+        blocks = [gather_rows(evaluations.comm, b, counts) for b in blocks]
+    return Estimate(blocks[0], blocks[1], blocks[2], eps, scale)
 
 
 def _dropped_imaginary(name: str) -> str:
@@ -526,75 +589,3 @@ def _table(results: dict[tuple[str, str], TotalsCheck], say: Say,
             f"{r.abs_error:>10.2e} {r.rel_error:>10.2e} {r.allowed:>10.2e}  {flag}")
     say("(worst: the entry whose error is the largest share of what it is allowed, atol + "
         "rtol |J_fd| + the error of J_fd itself)")
-
-
-def shard(n_samples: int, comm: Any = None,
-          counts: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Split `n_samples` over the ranks so that every rank gets the same count.
-
-    Rank r takes a contiguous share: as even as can be (sizes differ by at most one),
-    or `counts[r]` samples. It pads its share by wrap-around to the largest share.
-    Padding samples carry weight 0, so a weighted loss is exact.
-    Every rank then runs the same number of steps and collectives.
-
-    **Arguments:**
-    - `n_samples`: the number of samples, N >= 1.
-    - `comm`: the communicator (default `MPI.COMM_WORLD`).
-    - `counts`: how many samples each rank takes, in rank order: P non-negative
-      integers summing to N, the same on every rank (checked with one small
-      collective). A rank may take none. Default: an even split.
-
-    **Returns:** `(indices, weights)`: int64 and float64 arrays, of length ceil(N / P)
-    by default and max(counts) with `counts`.
-
-    **Raises:** `ValueError` for fewer than one sample, or `counts` that are not P
-    non-negative integers summing to N (on every rank, where the ranks pass different
-    `counts`).
-
-    ```python
-    import distop
-
-    indices, weights = distop.shard(10)
-    assert len(indices) == len(weights)  # ceil(10 / P) on every rank
-    ```
-    """
-    comm = world() if comm is None else comm
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if int(n_samples) < 1:
-        raise ValueError(f"shard(n_samples={n_samples}): need at least one sample.")
-    n = int(n_samples)
-    if counts is None:
-        base, extra = divmod(n, size)
-        start, count = rank * base + min(rank, extra), base + (rank < extra)
-        per_rank = -(-n // size)
-    else:
-        shares = _checked_counts(n, counts, comm)
-        start, count, per_rank = sum(shares[:rank]), shares[rank], max(shares)
-    indices = (start + np.arange(per_rank)) % n
-    weights = (np.arange(per_rank) < count).astype(np.float64)
-    return indices.astype(np.int64), weights
-
-
-def _checked_counts(n: int, counts: Sequence[int], comm: Any) -> list[int]:
-    """**Returns:** `counts` as a list of ints, after checking that they split `n`
-    samples over `comm`'s ranks alike on every rank.
-
-    **Raises:** `ValueError` on every rank, where counts are wrong on some rank or
-    differ between ranks (found by one reduction of three numbers)."""
-    size = comm.Get_size()
-    try:
-        shares = [operator.index(c) for c in counts]
-    except TypeError:
-        shares = []
-    wrong = len(shares) != size or min(shares, default=0) < 0 or sum(shares) != n
-    h = stable_hash(tuple(shares))
-    # (wrong where some rank raised the flag)
-    top = _comm.most(comm, np.array([h, -h, int(wrong)], np.int64))
-    where = f"shard(n_samples={n}, counts={list(counts)!r}) on rank {comm.Get_rank()}"
-    if top[2]:
-        raise ValueError(f"{where}: expected {size} non-negative integers (one per rank) "
-                         f"summing to {n}{'' if wrong else ' (on some other rank)'}.")
-    if top[0] != -top[1]:
-        raise ValueError(f"{where}: the ranks passed different counts; pass the same "
-                         "counts on every rank.")
-    return shares

@@ -376,7 +376,7 @@ class Problem:
             (out,) = check_names(method, "of", of, self.output_names,
                                  layout.differentiable["outputs"])
             check_scalar(method, of, out, layout.outputs[out].shape, self.distributed)
-            program = self._programs.program(method, HvpOptions(out, ins, count is not None),
+            program = self._programs.program(method, HvpOptions(out, ins, count),
                                              layout, make_extra=lambda: (tangents,))
             found = self._executor(program, self._point, (tangents,))
             if _assembly.unchecked(program, "global"):

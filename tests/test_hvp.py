@@ -99,6 +99,17 @@ def test_a_second_derivative_through_an_implicit_operator_raises_naming_it():
         jax.hessian(f)(b)  # (forward over reverse: its linear solve first)
 
 
+def test_compute_hvp_with_another_number_of_directions_makes_another_program():
+    op = NormScale()
+    problem = distop.Problem(lambda x: {"f": jnp.sum(jnp.sin(op(x)))}, {"x": X})
+    H = jax.hessian(lambda x: jnp.sum(jnp.sin(norm_scale(x))))(X)
+    T = np.random.default_rng(2).standard_normal((3, 3))
+    for tangents in (T, T[:2], T[0], T[:1], T):
+        got = problem.compute_hvp("f", "x", {"x": tangents})["x"]
+        assert got.shape == tangents.shape
+        np.testing.assert_allclose(got, tangents @ H, rtol=1e-12)
+
+
 def test_compute_hvp_through_an_operator_inside_lax_scan():
     op = NormScale()
 

@@ -227,6 +227,83 @@ class Coupled(distop.ImplicitOperator):
         return -lam, k_bar
 
 
+class CubicSolve(distop.ImplicitOperator):
+    """y with R(y, x, a) = d y + v (v . y) + a y**3 - x = 0 over the global vector (d and
+    v this rank's blocks of two global vectors, d > 0; x distributed, a a replicated
+    scalar): a nonlinear residual coupling every rank through v . y, solved by Newton's
+    method, each step exact by Sherman-Morrison with one Allreduce. dR/dy = diag(d + 3 a
+    y**2) + v v^T is symmetric, so the adjoint and linear solves are the same; the
+    adjoint methods and `residual_hvp` are batched over the seeds. `hvp_error` plants
+    that error in residual_hvp on rank 0 (for the checks)."""
+
+    d: np.ndarray
+    v: np.ndarray
+    hvp_error: float = 0.0
+    solve_collectives = adjoint_collectives = residual_collectives = ("Allreduce",)
+    batched_adjoint = True
+
+    def _jacobian_solve(self, comm, rhs, y, a):
+        """(diag(d + 3 a y**2) + v v^T)^-1 rhs (rows of a batch at once), one Allreduce."""
+        diagonal = self.d + 3 * a * y ** 2
+        scaled, w = rhs / diagonal, self.v / diagonal
+        local = np.append(np.atleast_1d(scaled @ self.v), self.v @ w)
+        total = np.empty_like(local)
+        comm.Allreduce(local, total, op=MPI.SUM)
+        along = total[:-1] / (1 + total[-1])
+        return scaled - (along[:, None] * w if rhs.ndim > 1 else along[0] * w)
+
+    def solve(self, comm, x, a):
+        y = x / self.d
+        for _ in range(50):  # (every rank alike: the step's size is summed over them)
+            coupling = np.empty(())
+            comm.Allreduce(np.asarray(self.v @ y), coupling, op=MPI.SUM)
+            step = self._jacobian_solve(comm, self.d * y + self.v * coupling + a * y ** 3 - x,
+                                        y, a)
+            y = y - step
+            size = np.empty(())
+            comm.Allreduce(np.asarray(np.sum(step ** 2)), size, op=MPI.SUM)
+            if size < 1e-32:
+                break
+        return y
+
+    def solve_adjoint(self, comm, y_bar, y, x, a):
+        return self._jacobian_solve(comm, y_bar, y, a)
+
+    def solve_linear(self, comm, rhs, y, x, a):
+        return self._jacobian_solve(comm, rhs, y, a)
+
+    def residual_vjp(self, comm, lam, y, x, a):
+        # dR/dx = -I; dR/da = y**3, whose pairing with lam sums over every rank's rows
+        a_bar = np.empty(lam.shape[0])
+        comm.Allreduce(np.ascontiguousarray(lam @ y ** 3), a_bar, op=MPI.SUM)
+        return -lam, a_bar
+
+    def residual_jvp(self, comm, tangents, y, x, a):
+        tx, ta = tangents
+        return -tx + ta * y ** 3
+
+    def residual_hvp(self, comm, lam, tangent, y, x, a):
+        # L = lam . R: L_yy = diag(6 a y lam), L_ya = 3 y**2 lam, the rest zero
+        ty, tx, ta = tangent
+        h_a = np.empty(lam.shape[0])
+        comm.Allreduce(np.ascontiguousarray(np.sum(3 * y ** 2 * lam * ty, axis=-1)), h_a,
+                       op=MPI.SUM)
+        h_y = 6 * a * y * lam * ty + 3 * y ** 2 * lam * ta[:, None]
+        if self.hvp_error and comm.Get_rank() == 0:
+            h_y = h_y + self.hvp_error * ty
+        return h_y, np.zeros_like(tx), h_a
+
+
+def cubic_solution(x, a, d, v, iterations=12):
+    """`CubicSolve`'s y on the whole global vector, in JAX: Newton's method unrolled
+    (its derivatives of every order those of the solution, to round-off)."""
+    y = x / d
+    for _ in range(iterations):
+        residual = d * y + v * (v @ y) + a * y ** 3 - x
+        y = y - jnp.linalg.solve(jnp.diag(d + 3 * a * y ** 2) + jnp.outer(v, v), residual)
+    return y
+
+
 def _maybe_fail(op, comm, method):
     if op.fail == method and comm.Get_rank() == comm.Get_size() - 1:
         raise RuntimeError(f"{method} did not converge in 50 iterations")

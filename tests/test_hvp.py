@@ -91,12 +91,35 @@ def test_a_second_derivative_through_an_implicit_operator_raises_naming_it():
     b = np.array([1.0, 2.0, 3.0])
     f = lambda b: jnp.sum(jnp.sin(op(b, 2.0)))  # noqa: E731
     with pytest.raises(distop.SecondDerivativeError,
-                       match=r"Coupled.adjoint on rank 0: Coupled is an implicit operator, "
-                             r"whose second derivatives are not available"):
+                       match=r"Coupled.adjoint on rank 0: Coupled is an implicit operator "
+                             r"with a residual not declared linear, and does not implement "
+                             r"residual_hvp\(self, comm, lam, tangent, y, \*inputs\)"):
         jax.grad(lambda b: jax.grad(f)(b) @ b)(b)
     with pytest.raises(distop.MissingMethodError, match=r"Coupled does not implement "
                                                         r"solve_linear"):
         jax.hessian(f)(b)  # (forward over reverse: its linear solve first)
+
+    class WithResidualHvp(Coupled):  # (but no forward mode, which the products need too)
+        def residual_hvp(self, comm, lam, tangent, y, b, k):
+            raise AssertionError("never called")
+
+    op = WithResidualHvp()
+    with pytest.raises(distop.SecondDerivativeError,
+                       match=r"WithResidualHvp.adjoint on rank 0: WithResidualHvp does not "
+                             r"implement solve_linear\(self, comm, rhs, y, \*inputs\), which "
+                             r"second derivatives .* need besides residual_hvp"):
+        jax.grad(lambda b: jax.grad(f)(b) @ b)(b)
+
+
+def test_compute_hvp_with_another_number_of_directions_makes_another_program():
+    op = NormScale()
+    problem = distop.Problem(lambda x: {"f": jnp.sum(jnp.sin(op(x)))}, {"x": X})
+    H = jax.hessian(lambda x: jnp.sum(jnp.sin(norm_scale(x))))(X)
+    T = np.random.default_rng(2).standard_normal((3, 3))
+    for tangents in (T, T[:2], T[0], T[:1], T):
+        got = problem.compute_hvp("f", "x", {"x": tangents})["x"]
+        assert got.shape == tangents.shape
+        np.testing.assert_allclose(got, tangents @ H, rtol=1e-12)
 
 
 def test_compute_hvp_through_an_operator_inside_lax_scan():

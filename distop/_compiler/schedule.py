@@ -28,8 +28,8 @@ class ScheduleEntry:
     **Arguments:**
     - `index`: the call's place in program order.
     - `operator`: the operator's class name.
-    - `phase`: `forward`, `vjp` or `jvp` (implicit operators: `solve`, `state`,
-      `adjoint`, `linear`).
+    - `phase`: `forward`, `vjp`, `jvp` or `hvp` (implicit operators: `solve`, `state`,
+      `adjoint`, `linear`, `second_adjoint`).
     - `collectives`: the communication declared for that phase.
     - `input_shapes`, `output_shapes`, `input_dtypes`, `output_dtypes`: unbatched.
     - `batch`: batch sizes, outermost first; () if not batched. A derivative call is

@@ -37,7 +37,9 @@ class HvpOptions(NamedTuple):
 
     of: str  # the scalar output
     wrt: tuple[str, ...]  # input names
-    directions: bool  # whether the tangents carry a leading axis of directions
+    # K, the tangents' leading axis of directions (a program per K: its calls' batch
+    # sizes are K), or None where they carry none
+    directions: int | None
 
 
 def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:
@@ -143,7 +145,7 @@ def _hvp(model: Callable[..., Any], options: HvpOptions,
             out, back = pullback(slope, diff)
             return back(jnp.ones_like(out))[0]
 
-        return batch(along, tangents) if directions else along(tangents)
+        return batch(along, tangents) if directions is not None else along(tangents)
 
     return hvp
 

@@ -379,7 +379,7 @@ class Problem:
             (out,) = check_names(method, "of", of, self.output_names,
                                  layout.differentiable["outputs"])
             check_scalar(method, of, out, layout.outputs[out].shape, self.distributed)
-            program = call.program(method, HvpOptions(out, ins, count is not None), layout,
+            program = call.program(method, HvpOptions(out, ins, count), layout,
                                    make_extra=lambda: (tangents,))
             found = call.run(program, self._point, (tangents,))
             if _assembly.unchecked(program, "global"):

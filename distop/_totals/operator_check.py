@@ -11,7 +11,8 @@ same on every rank for replicated ones). Then, on every rank alike:
 - `hvp vs fd`: hvp(y_bar, t) against the central difference of vjp(y_bar) along t, and
   `hvp symmetry`: <s, hvp(y_bar, t)> = <t, hvp(y_bar, s)> for a second tangent s,
   summed over the ranks (the weighted Hessian is symmetric), where the operator has an
-  `hvp`.
+  `hvp` (an implicit operator: a `residual_hvp`, which these check through the
+  second-order adjoint it makes).
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ import numpy as np
 from .._agreement import comm as _comm
 from .._dtypes import inexact_dtype
 from .._errors import DerivativeCheckError, DistopError, MissingMethodError
+from .._operators.implicit import ImplicitOperator, provides_second_derivatives
 from .._operators.operator import DistributedOperator, as_arrays
 from .._operators.primitive import implements
 from .differences import JUDGEABLE, default_step, estimate, judge, multiples
@@ -59,7 +61,8 @@ def check_operator(op: DistributedOperator, *inputs: Any,
                    out_stream: Any = STDOUT,
                    raise_on_error: bool = False) -> dict[str, OperatorCheck]:
     """Compare an operator's forward, vjp, jvp and hvp with each other and with finite
-    differences, collectively: call it on every rank with that rank's inputs.
+    differences, collectively: call it on every rank with that rank's inputs (an
+    implicit operator: its derivatives, made of its residual methods and solves).
 
     **Arguments:**
     - `op`: the `DistributedOperator`.
@@ -92,13 +95,14 @@ def check_operator(op: DistributedOperator, *inputs: Any,
                             + [outs[k].dtype for k in s.real_out])
     results, jvp, vjp, pullback = _first_order(s, step, atol, rtol)
     results += _batched_checks(s, step, atol, rtol, jvp, vjp, pullback)
-    if vjp is not None and jvp is not None and implements(op, "hvp") and s.real_out:
+    if vjp is not None and jvp is not None and _has_hvp(op) and s.real_out:
         others = [_draw(seed, rank, arrays[i].shape, arrays[i].dtype, i in rep_in, 2000 + i)
                   for i in s.diff]
         results += _hvp_checks(comm, s.f, s.primals, s.tangents, others, s.cotangents,
                                s.w_in, step, atol, rtol)
     found = {r.pair: r for r in results}
-    _report(found, name, size, arrays, outs, out_stream, rank)
+    _report(found, name, size, arrays, outs, out_stream, rank,
+            "residual_hvp" if isinstance(op, ImplicitOperator) else "hvp")
     failed = [r for r in results if not r.ok]
     if raise_on_error and failed:
         raise DerivativeCheckError(f"check_operator({name}): " + "; ".join(
@@ -249,6 +253,14 @@ def _hvp_checks(comm: Any, f: Callable[..., Any], primals: Sequence[Any],
     ]
 
 
+def _has_hvp(op: DistributedOperator) -> bool:
+    """**Returns:** whether `op` has second derivatives of its own to check: an `hvp`,
+    or an implicit operator's `residual_hvp`."""
+    if isinstance(op, ImplicitOperator):
+        return provides_second_derivatives(op)
+    return implements(op, "hvp")
+
+
 def _tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
@@ -385,7 +397,9 @@ def _jflat(values: Sequence[Any]) -> Any:
 
 
 def _report(found: dict[str, OperatorCheck], name: str, size: int, arrays: Sequence[Any],
-            outs: Sequence[Any], out_stream: Any, rank: int) -> None:
+            outs: Sequence[Any], out_stream: Any, rank: int, hvp: str = "hvp") -> None:
+    """Print the table of `found` on rank 0 (`hvp`: the method the `hvp` rows check,
+    an implicit operator's `residual_hvp`)."""
     if out_stream is None or rank != 0:
         return
     if out_stream is STDOUT:
@@ -406,8 +420,10 @@ def _report(found: dict[str, OperatorCheck], name: str, size: int, arrays: Seque
               f"differences, which {other} agrees with" for method, other in (
                   ("vjp", "jvp"), ("jvp", "vjp")) if _blames(found, method, other)]
     if _blames(found, "hvp", "vjp"):
-        lines.append(f"check_operator: {name}.hvp is wrong: it disagrees with finite "
-                     "differences of vjp, which agrees with finite differences itself")
+        lines.append(f"check_operator: {name}.{hvp} is wrong: "
+                     + ("" if hvp == "hvp" else "the second-order adjoint made of it ")
+                     + "disagrees with finite differences of vjp, which agrees with finite "
+                     "differences itself")
     print("\n".join(lines), file=out_stream, flush=True)
 
 

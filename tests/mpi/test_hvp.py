@@ -1,6 +1,8 @@
 """Second derivatives through distributed operators: plain JAX and `compute_hvp` on
 uneven blocks (some ranks own none), against dense Hessians of the global model (also
-run in one process by tests/test_hvp.py)."""
+run in one process by tests/test_hvp.py). An explicit operator with `hvp`, the built-in
+collectives, and an implicit operator with a nonlinear residual (`residual_hvp`) or a
+linear one (none needed)."""
 
 import io
 
@@ -8,7 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BLOCKS, ROWS, STARTS, NormScale, all_close_everywhere, norm_scale
+from helpers import (
+    BLOCKS,
+    ROWS,
+    STARTS,
+    CubicSolve,
+    NormScale,
+    all_close_everywhere,
+    cubic_solution,
+    norm_scale,
+)
 from mpi4py import MPI
 
 import distop
@@ -217,3 +228,178 @@ def test_compute_totals_of_a_model_that_takes_a_gradient_itself():
         all_close_everywhere(comm, totals["gc", "w"][0], H[-2:, :-2] @ TG[1, :-2],
                              rtol=1e-12, atol=1e-12)
         assert "hvp" in [e.phase for e in problem.schedule]
+
+
+# -- an implicit operator: y with d y + v (v . y) + a y**3 = x (see helpers.CubicSolve) --
+DG, VG = rng.uniform(2.0, 3.0, ROWS), 0.4 * rng.standard_normal(ROWS)
+AG = 0.6  # the replicated scalar a
+TA = np.array([0.8, -1.3, 0.4])  # a's part of three global directions (x's: TG[:, :ROWS])
+
+
+def implicit_reference(z):
+    """The objective of `implicit_objective` on the global x = z[:-1], with a = z[-1]."""
+    x, a = z[:-1], z[-1]
+    y = cubic_solution(x, a, DG, VG)
+    return jnp.sum(jnp.cos(y)) + a * jnp.sum(y ** 2 * x)
+
+
+HI = np.asarray(jax.hessian(implicit_reference)(np.append(XG, AG)))
+DIRECTIONS = np.concatenate([TG[:, :ROWS], TA[:, None]], axis=1)  # over (x, a)
+
+
+def implicit_objective(op):
+    def f(x, a):  # x: this rank's block; the sums over ranks through AllreduceSum
+        y = op(x, a)
+        total = distop.AllreduceSum()(jnp.stack([jnp.sum(jnp.cos(y)), jnp.sum(y ** 2 * x)]))
+        return total[0] + a * total[1]
+    return f
+
+
+def cubic(**fields):
+    return CubicSolve(mine(DG), mine(VG), **fields)
+
+
+class WithoutResidualHvp(CubicSolve):
+    """`CubicSolve` without `residual_hvp`: its residual is nonlinear."""
+
+    residual_hvp = distop.ImplicitOperator.residual_hvp
+
+
+class LinearSolve(CubicSolve):
+    """y with d y + v (v . y) = x: a residual linear in y and x together, declared so,
+    without `residual_hvp`; unbatched adjoint methods."""
+
+    linear = True
+    batched_adjoint = False
+    residual_hvp = distop.ImplicitOperator.residual_hvp
+
+    def solve(self, comm, x):
+        return super().solve(comm, x, 0.0)
+
+    def solve_adjoint(self, comm, y_bar, y, x):
+        return self._jacobian_solve(comm, y_bar, y, 0.0)
+
+    def solve_linear(self, comm, rhs, y, x):
+        return self._jacobian_solve(comm, rhs, y, 0.0)
+
+    def residual_vjp(self, comm, lam, y, x):
+        return (-lam,)
+
+    def residual_jvp(self, comm, tangents, y, x):
+        return -tangents[0]
+
+
+def test_second_derivatives_through_an_implicit_operator_in_plain_jax():
+    f = implicit_objective(cubic())
+    x, t, ta = mine(XG), mine(TG[0, :ROWS]), TA[0]
+    want = HI @ DIRECTIONS[0]
+    grad = jax.grad(f, argnums=(0, 1))
+    got = {
+        "jvp of grad": jax.jvp(grad, (x, AG), (t, ta))[1],
+        "jit jvp of grad": jax.jit(lambda x, t: jax.jvp(grad, (x, AG), (t, ta))[1])(x, t),
+        "grad of grad": jax.grad(lambda x, a: grad(x, a)[0] @ t + grad(x, a)[1] * ta,
+                                 argnums=(0, 1))(x, AG),
+        "grad of jvp": jax.jit(jax.grad(lambda x, a: jax.jvp(f, (x, a), (t, ta))[1],
+                                        argnums=(0, 1)))(x, AG),
+    }
+    for value in got.values():
+        all_close_everywhere(comm, value[0], mine(want[:ROWS]), rtol=1e-10, atol=1e-10)
+        all_close_everywhere(comm, value[1], want[ROWS], rtol=1e-10, atol=1e-10)
+    # forward over reverse over the directions at once (one batched second-order adjoint)
+    # and jax.hessian in the replicated input
+    rows = jax.vmap(lambda t, ta: jax.jvp(grad, (x, AG), (t, ta))[1])(
+        mine(TG[:, :ROWS]), TA)
+    all_close_everywhere(comm, rows[0], mine((DIRECTIONS @ HI)[:, :ROWS]), rtol=1e-10,
+                         atol=1e-10)
+    all_close_everywhere(comm, rows[1], (DIRECTIONS @ HI)[:, ROWS], rtol=1e-10, atol=1e-10)
+    hessian = jax.hessian(lambda a: f(x, a))(AG)
+    all_close_everywhere(comm, hessian, HI[ROWS, ROWS], rtol=1e-10, atol=1e-10)
+
+
+def test_compute_hvp_through_an_implicit_operator():
+    for backend in ("lean", "io_callback"):
+        op = cubic()
+        f = implicit_objective(op)
+        problem = distop.Problem(lambda x, a, f=f, op=op: {"f": f(x, a), "y": op(x, a)},
+                                 {"x": mine(XG), "a": np.array(AG)}, distributed={"x", "y"},
+                                 backend=backend)
+        one = problem.compute_hvp("f", ["x", "a"], {"x": mine(TG[0, :ROWS]), "a": TA[0]})
+        want = HI @ DIRECTIONS[0]
+        all_close_everywhere(comm, one["x"], mine(want[:ROWS]), rtol=1e-10, atol=1e-10)
+        all_close_everywhere(comm, one["a"], want[ROWS], rtol=1e-10, atol=1e-10)
+        several = problem.compute_hvp("f", ["x", "a"], {"x": mine(TG[:, :ROWS]), "a": TA})
+        want = DIRECTIONS @ HI
+        all_close_everywhere(comm, several["x"], mine(want[:, :ROWS]), rtol=1e-10, atol=1e-10)
+        all_close_everywhere(comm, several["a"], want[:, ROWS], rtol=1e-10, atol=1e-10)
+        program = next(p for k, p in problem._programs.programs.items()
+                       if k[0] == "compute_hvp")
+        assert ("CubicSolve", "second_adjoint") in [(e.operator, e.phase)
+                                                    for e in program.schedule]
+        checked = problem.check_hvp("f", out_stream=None, progress=False)
+        assert all(r.ok for r in checked.values()), checked
+
+
+def test_check_hvp_fails_a_planted_residual_hvp_bug_on_one_rank():
+    op = cubic(hvp_error=1e-3)  # (on rank 0 only)
+    f = implicit_objective(op)
+    problem = distop.Problem(lambda x, a: {"f": f(x, a)}, {"x": mine(XG), "a": np.array(AG)},
+                             distributed="x")
+    out = io.StringIO()
+    results = problem.check_hvp("f", out_stream=out, progress=False)
+    assert not results["f", "x"].ok, out.getvalue()
+    with pytest.raises(distop.DerivativeCheckError, match=r"check_hvp: .*\('f', 'x'\)"):
+        problem.check_hvp("f", "x", raise_on_error=True, out_stream=None, progress=False)
+
+
+def test_check_operator_checks_an_implicit_operators_residual_hvp():
+    x, a = mine(XG), np.array(AG)
+    found = distop.check_operator(cubic(), x, a, replicated_inputs=[1], out_stream=None)
+    assert all(found[p].ok for p in ("hvp vs fd", "hvp symmetry", "hvp batched")), found
+    assert all(r.ok for r in found.values()), found
+    out = io.StringIO()
+    wrong = distop.check_operator(cubic(hvp_error=1e-3), x, a, replicated_inputs=[1],
+                                  out_stream=out)
+    assert not wrong["hvp vs fd"].ok and wrong["vjp vs fd"].ok
+    if rank == 0:
+        assert "CubicSolve.residual_hvp is wrong" in out.getvalue(), out.getvalue()
+    without = distop.check_operator(WithoutResidualHvp(mine(DG), mine(VG)), x, a,
+                                    replicated_inputs=[1], out_stream=None)
+    assert "hvp vs fd" not in without and all(r.ok for r in without.values())
+
+
+def test_an_implicit_operator_without_residual_hvp_is_refused_naming_it():
+    op = WithoutResidualHvp(mine(DG), mine(VG))
+    f = implicit_objective(op)
+    problem = distop.Problem(lambda x, a: {"f": f(x, a)}, {"x": mine(XG), "a": np.array(AG)},
+                             distributed="x")
+    message = (r"WithoutResidualHvp\.\w+ on rank \d: WithoutResidualHvp is an implicit "
+               r"operator .* does not implement residual_hvp\(self, comm, lam, tangent, y")
+    with pytest.raises(distop.SecondDerivativeError, match=message):
+        problem.compute_hvp("f", "x", {"x": mine(TG[0, :ROWS])})
+    with pytest.raises(distop.SecondDerivativeError, match=message):
+        jax.jvp(jax.grad(f), (mine(XG), AG), (mine(TG[0, :ROWS]), 0.0))
+    # (first derivatives need none)
+    grad = problem.compute_totals("f", "a")["f", "a"]
+    all_close_everywhere(comm, grad, [[jax.grad(implicit_reference)(np.append(XG, AG))[-1]]],
+                         rtol=1e-10)
+
+
+def test_an_implicit_operator_with_a_linear_residual_needs_no_residual_hvp():
+    def reference(x):
+        y = cubic_solution(x, 0.0, DG, VG, iterations=2)
+        return jnp.sum(jnp.cos(y)) + jnp.sum(y ** 2 * x)
+
+    H = np.asarray(jax.hessian(reference)(XG))
+    op = LinearSolve(mine(DG), mine(VG))
+
+    def f(x):
+        y = op(x)
+        return distop.AllreduceSum()(jnp.sum(jnp.cos(y)) + jnp.sum(y ** 2 * x))
+
+    problem = distop.Problem(lambda x: {"f": f(x)}, {"x": mine(XG)}, distributed="x")
+    got = problem.compute_hvp("f", "x", {"x": mine(TG[:, :ROWS])})
+    all_close_everywhere(comm, got["x"], mine(TG[:, :ROWS] @ H), rtol=1e-10, atol=1e-10)
+    t = mine(TG[0, :ROWS])
+    all_close_everywhere(comm, jax.jvp(jax.grad(f), (mine(XG),), (t,))[1],
+                         mine(H @ TG[0, :ROWS]), rtol=1e-10, atol=1e-10)
+    assert problem.check_hvp("f", out_stream=None, progress=False)["f", "x"].ok

@@ -27,12 +27,12 @@ from jax._src.interpreters.partial_eval import (  # noqa: E402
     DynamicJaxprTrace as ProgramTrace,  # noqa: F401
 )
 
-# A JAX setting naming the lean tracing session under way (0: none). JAX keys its caches
-# of traced bodies (of loops, branches, checkpoints, inner jits) on such settings, so a
-# body traced in one session is traced afresh in another one and outside any: its host
-# calls belong to one program. No public way to add a setting as of jax 0.12.0.
-lean_session = _int_state("distop_lean_session", 0, "The lean tracing session under way "
-                          "(set by distop while it traces a program).",
+# A JAX setting whose value distop sets while it traces a program (0: none). JAX keys its
+# caches of traced bodies (of loops, branches, checkpoints, inner jits) on such
+# settings, so a body traced with host calls under one value is traced afresh under
+# another (see _hostcalls/sessions.py). No public way to add a setting as of jax 0.12.0.
+lean_session = _int_state("distop_lean_session", 0, "The value of the tracing scope under "
+                          "way (set by distop while it traces a program).",
                           include_in_trace_context=True)
 
 

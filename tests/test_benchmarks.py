@@ -123,6 +123,18 @@ def test_shapes_benchmark_finds_the_programs_of_shapes_seen_before():
     assert seen < first / 5, proc.stdout  # (a new shape compiles; one seen before does not)
 
 
+def test_problems_made_and_dropped_keep_a_few_kib_each(tmp_path):
+    out = tmp_path / "problems.json"
+    run_benchmark("problems.py", "--ranks", "1", "--problems", "200", "--heap", "30",
+                  "--json", str(out))
+    r = json.loads(out.read_text())["results"]["plain 1"]
+    # The budget is 10 MiB per 1,000 Problems: 10 KiB each. What JAX kept per traced
+    # program before the tracing setting's values were reused was about 100 KiB.
+    assert r["per_problem"] < 8, r
+    assert r["heap"] < 8, r
+    assert r["in_use"] == 0 and r["made"] <= 2, r  # (no Problem alive, values reused)
+
+
 def test_scale_benchmark_counts_one_fixed_size_collective_per_steady_call():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--ranks", "2"],

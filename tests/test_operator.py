@@ -310,7 +310,7 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
     from its JVP rule: for several inputs and outputs, an integer input, a 0-d input, a
     batch of seeds; on both paths."""
     from distop._compat import primitive_linearizations
-    from distop._hostcalls import ffi as _ffi
+    from distop._hostcalls import sessions as _sessions
     from distop._operators.primitive import host_call_p
 
     op, mul = ScaledSum(), Mul()
@@ -331,7 +331,7 @@ def test_linearization_rule_gives_the_program_jax_derives_from_the_jvp_rule(lean
             token = jnp.zeros(())
             if not lean:
                 return jax.jacrev(f, argnums=(0, 1, 2))(a, b, t)
-            with _ffi.tracing(token) as session:
+            with _sessions.tracing(token) as session:
                 out = jax.jacrev(f, argnums=(0, 1, 2))(a, b, t)
             return out, session.token
         return jax.make_jaxpr(traced)(jnp.arange(1.0, 4.0), jnp.arange(2.0), jnp.array(0.5))

@@ -12,6 +12,7 @@ from distop._compiler import pipeline
 from distop._compiler.jaxprs import lean_calls
 from distop._compiler.passes import base, fold, fuse, identity, rows, unused
 from distop._hostcalls import ffi as _ffi
+from distop._hostcalls import sessions as _sessions
 from distop._hostcalls.fused import FusedCall
 
 X = np.array([0.5, 2.0])
@@ -22,7 +23,7 @@ def lean(fn, *args):
     """`jax.make_jaxpr` of `fn(session, *args)` on the lean path: the token enters first
     and leaves last, as in a `Problem`'s programs."""
     def traced(token, *args):
-        with _ffi.tracing(token) as session:
+        with _sessions.tracing(token) as session:
             out = fn(session, *args)
         return (*out, session.token)
 

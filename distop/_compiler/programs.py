@@ -19,6 +19,7 @@ from .._compat import x64_enabled
 from .._config import settings
 from .._errors import DistopError
 from .._hostcalls import ffi as _ffi
+from .._hostcalls import sessions as _sessions
 from .._hostcalls.base import Gate
 from .._hostcalls.host import HostCall
 from .._safety import checking as _checking
@@ -355,7 +356,7 @@ class Programs:
 
         def packed(token: Any, *args: Any) -> tuple[Any, ...]:
             if lean:
-                with _ffi.tracing(token) as session:
+                with _sessions.tracing(token) as session:
                     values = body(*args)
                 token = session.token
             else:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._hostcalls import ffi as _ffi
+from .._hostcalls import sessions as _sessions
 from .._operators.complex_step import complex_step
 from .layout import row, split_seeds
 
@@ -58,7 +58,7 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
     def batch(fn: Callable[[Any], Any], xs: Any) -> Any:
         if not vectorize:
             return lax.map(fn, xs)
-        session = _ffi.session()
+        session = _sessions.session()
         if session is None:
             return jax.vmap(fn)(xs)
         # The lean path's token leaves the vmap as an unbatched output.
@@ -134,7 +134,7 @@ def _hvp(model: Callable[..., Any], options: HvpOptions,
 
         def along(tangent: dict[str, Any]) -> dict[str, Any]:
             def slope(d: dict[str, Any]) -> Any:
-                session = _ffi.session()
+                session = _sessions.session()
                 if session is None:
                     return jax.jvp(value, (d,), (tangent,))[1]
                 # (the lean path's token leaves jax.jvp as an output of its own)
@@ -155,7 +155,7 @@ def linearized(fn: Callable[[Any], Any], diff: dict[str, Any],
     """`jax.linearize(fn, diff)`: the values and the linear map of the tangents; on the
     lean path the token leaves `jax.linearize` as an output of its own, as in
     `pullback`."""
-    session = _ffi.session()
+    session = _sessions.session()
     if session is None:
         return jax.linearize(fn, diff)
     (values, session.token), linear = jax.linearize(lambda d: (fn(d), session.token), diff)
@@ -167,7 +167,7 @@ def pullback(fn: Callable[[Any], Any], diff: dict[str, Any],
     """`jax.vjp(fn, diff)`: the values and the pullback; on the lean path the token
     leaves `jax.vjp` as an output of its own (with a zero cotangent), so the
     backward calls continue the forward calls' chain."""
-    session = _ffi.session()
+    session = _sessions.session()
     if session is None:
         return jax.vjp(fn, diff)
     (values, session.token), back = jax.vjp(lambda d: (fn(d), session.token), diff)

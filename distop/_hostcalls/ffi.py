@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
-from .._compat import ProgramTrace, current_trace, lean_session, scan_consts, x64_enabled
+from .._compat import scan_consts, x64_enabled
 from .._errors import DistopError
 from . import xla_ffi as _xla_ffi
 from .base import HostCallable
@@ -324,97 +324,6 @@ def token_dtype() -> np.dtype:
     """The token's dtype: float64, or float32 where JAX is in 32-bit mode (a program
     takes no float64 input then)."""
     return np.dtype(np.float64 if x64_enabled() else np.float32)
-
-
-class Session:
-    """Holds the current token while `Problem` traces one program with the lean path."""
-
-    def __init__(self, token: Any) -> None:
-        self.token = token  # (a tracer of the program being traced)
-        self.calls = 0
-        self.trace = current_trace()  # the program's own trace
-
-    def at_top(self) -> bool:
-        """Whether a call bound now belongs to the program itself, where it takes the
-        session's token: not to the body of the model's own loop, branch, checkpoint or
-        inner jit, whose token is threaded after tracing (see `_compiler/stages/nested.py`).
-
-        Transformations (vmap, jvp, linearize) keep a call at the top: their traces
-        lead, parent after parent, to the program's own trace. A body has a trace of
-        its own."""
-        trace = current_trace()
-        while not isinstance(trace, ProgramTrace):
-            trace = getattr(trace, "parent_trace", None)
-            if trace is None:
-                return False
-        return trace is self.trace
-
-
-_state = threading.local()
-
-
-def session() -> Session | None:
-    """**Returns:** the active `Session`, or None outside lean tracing."""
-    return getattr(_state, "session", None)
-
-
-_sessions = itertools.count(1)
-
-
-class _scope:
-    """Context manager: a JAX setting of its own (`_compat.lean_session`) and `session` as
-    the current session while it lasts, so that JAX traces the bodies of loops and
-    branches afresh inside it: a body traced in one scope is not reused by another
-    program, or outside a Problem, with its calls."""
-
-    def __init__(self, session: Session | None) -> None:
-        self.session = session
-        self.key = lean_session(next(_sessions))
-
-    def __enter__(self) -> Session | None:
-        self.previous = session()
-        self.key.__enter__()
-        _state.session = self.session
-        return self.session
-
-    def __exit__(self, *exc: object) -> None:
-        _state.session = self.previous
-        self.key.__exit__(*exc)
-
-
-class tracing(_scope):
-    """Context manager: trace a program with the lean path, starting from `token`."""
-
-    def __init__(self, token: Any) -> None:
-        super().__init__(Session(token))
-
-    def __enter__(self) -> Session:
-        started = super().__enter__()
-        assert started is not None  # (made in `__init__`)
-        return started
-
-
-class paused(_scope):
-    """Context manager: trace a model for its structure only (its kinds), never to be
-    run: without the lean path, every call unordered (JAX then refuses none inside its
-    own transformations). A setting of its own keeps JAX from reusing bodies traced
-    here in a session's program."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-
-    def __enter__(self) -> None:
-        _state.structure_only = getattr(_state, "structure_only", 0) + 1
-        super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        _state.structure_only -= 1
-
-
-def structure_only() -> bool:
-    """Whether the trace under way is for its structure only (see `paused`)."""
-    return bool(getattr(_state, "structure_only", 0))
 
 
 def chained(closed_jaxpr: ClosedJaxpr) -> bool:

@@ -21,7 +21,7 @@ from .._agreement import comm as _comm
 from .._agreement.coordinator import stable_hash
 from .._collectives.basic import AllreduceSum
 from .._errors import DistopError, KindError
-from .._hostcalls import ffi as _ffi
+from .._hostcalls import sessions as _sessions
 from .._hostcalls.ffi import anywhere
 from .._operators.kinds import inferring
 from .analysis import REPLICATED, VARYING, Info, analyse_function, inner_constants
@@ -143,7 +143,7 @@ class Inference:
             return out
 
         try:
-            with _ffi.paused():
+            with _sessions.paused():
                 closed = jax.make_jaxpr(flat)(*leaves)
         except Exception as err:
             if self.compare_at_trace:  # (with_kinds: never a silent call without kinds)

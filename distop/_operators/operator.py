@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._agreement import comm as _comm
 from .._errors import MissingMethodError
-from .._hostcalls import ffi as _ffi
+from .._hostcalls import sessions as _sessions
 from .._hostcalls.host import HostCall
 from .._safety.guard import check_declarations
 from . import complex_step as _stepping
@@ -335,8 +335,8 @@ def apply(op: DistributedOperator, inputs: Sequence[Any]) -> Any:
     # ordered by the token, and fusable. (Even where nothing needs ordering, in one
     # process or for a purely local operator: XLA would run independent unordered
     # callbacks on several threads at once, which then wait for each other's GIL.)
-    lean = _ffi.session() is not None and explicit_order(op) is not False
-    if _ffi.structure_only():  # (traced for its kinds, never run)
+    lean = _sessions.session() is not None and explicit_order(op) is not False
+    if _sessions.structure_only():  # (traced for its kinds, never run)
         ordered = False
     call = HostCall(op, "forward", _comm.private(op.comm), ordered or lean, in_specs,
                     out_specs, lean=lean)

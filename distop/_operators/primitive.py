@@ -36,12 +36,25 @@ from .._compat import (
 from .._dtypes import inexact_spec
 from .._errors import DistopError, KindWarning, MissingMethodError, SecondDerivativeError
 from .._hostcalls import ffi as _ffi
+from .._hostcalls import sessions as _sessions
 from .._hostcalls.host import HostCall
 from .kinds import Kind, declared, inferring
 from .refusals import install as install_refusals
 from .second_derivative import refused
 
-host_call_p = Primitive("distop_host_call")
+
+class _HostCallPrimitive(Primitive):
+    """The primitive, which tells the tracing scope under way where each call is bound
+    (see `_sessions.bound`): JAX binds through `bind_with_trace`, into the trace it
+    names, whoever binds."""
+
+    def bind_with_trace(self, trace: Any, args: Any, *rest: Any) -> Any:
+        # (rest: (avals, params) in jax 0.10.2, (params,) in older releases: parameters last)
+        _sessions.bound(trace, rest[-1]["call"])
+        return super().bind_with_trace(trace, args, *rest)
+
+
+host_call_p = _HostCallPrimitive("distop_host_call")
 host_call_p.multiple_results = True
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -135,7 +148,7 @@ def _rank(call: HostCall) -> int:
 # -- binding ---------------------------------------------------------------------------
 def bind_call(call: HostCall, args: Sequence[Any]) -> list[Any]:
     """Bind the primitive; a lean call takes the session's token and moves it on (at
-    the program's top level; see `_ffi.Session.at_top`).
+    the program's top level; see `_sessions.Session.at_top`).
 
     **Arguments:**
     - `call`: the `HostCall`.
@@ -145,7 +158,7 @@ def bind_call(call: HostCall, args: Sequence[Any]) -> list[Any]:
     """
     if not call.lean:
         return host_call_p.bind(*args, call=call)
-    session = _ffi.session()
+    session = _sessions.session()
     if session is None:  # (a lean call's derivative, traced again after its session)
         return host_call_p.bind(*args, call=call.unleaned())
     if not session.at_top():
@@ -252,7 +265,7 @@ def _bind_reading(call: HostCall, token: Any, args: Sequence[Any]) -> list[Any]:
     """Bind `call`, a derivative of a call on the chain; on the lean path it reads
     `token`, the token after that call, and leaves the chain as it is (the program's
     rewrite threads it, see _compiler/stages/nested.py)."""
-    if call.lean and _ffi.session() is None:
+    if call.lean and _sessions.session() is None:
         call = call.unleaned()
     if call.lean:
         return host_call_p.bind(token, *args, call=call)[1:]

@@ -74,6 +74,7 @@ class _BareCall:
     buffers as numpy views in, `work(*args, out)` writes the result."""
 
     lean = True
+    gate = None  # (no agreement for its first call to make: see `HostCallable.gate`)
 
     def __init__(self, work):
         self.work, self.ffi_id = work, None

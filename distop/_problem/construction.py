@@ -5,6 +5,10 @@ then means for the others."""
 import numpy as np
 
 from .._agreement.coordinator import Coordinator, Failure, stable_hash
+from .._compiler.layout import Layout
+from .._compiler.programs import Programs
+from .._compiler.schedule import ScheduleEntry
+from .._compiler.tracing import TotalsOptions
 from .._errors import (
     DistopError,
     KindError,
@@ -78,3 +82,24 @@ def failure(err: BaseException) -> Failure:
     if getattr(err, "elsewhere", False):
         return Failure.ON_OTHER_RANKS
     return Failure.RAISE_NOW
+
+
+def first_schedule(programs: Programs, coordinator: Coordinator,
+                   layout: Layout) -> tuple[ScheduleEntry, ...]:
+    """Build a Problem's first program, agreed on every rank, for its schedule: the
+    default `compute_totals` program, or `run`'s where there is nothing to differentiate
+    or the ranks leave the totals program's failure for later (see `failure`).
+
+    **Returns:** the program's schedule.
+    """
+    differentiable = layout.differentiable
+    if differentiable["outputs"] and differentiable["inputs"]:
+        try:
+            return programs.program(
+                "compute_totals", TotalsOptions("batched", differentiable["outputs"],
+                                                differentiable["inputs"]),
+                layout, caller="Problem(...)").schedule
+        except Exception as err:  # left for later or raised, on every rank
+            if not coordinator.go_on_without(failure(err)):
+                raise
+    return programs.program("run", (), layout, caller="Problem(...)").schedule

@@ -15,38 +15,29 @@ import numpy as np
 from .._agreement import comm as _comm
 from .._agreement.coordinator import Coordinator
 from .._compiler.layout import Layout
-from .._compiler.programs import Program, Programs
+from .._compiler.programs import Programs
 from .._compiler.schedule import ScheduleEntry
-from .._compiler.tracing import FDOptions, HvpOptions, TotalsOptions
 from .._config import env_flag
 from .._diagnostics import profile as _profile
 from .._inference.transform import Inference
-from .._totals import assembly as _assembly
 from .._totals import replicated as _replicated
 from .._totals import totals as _totals
 from .arguments import (
     MODES,
     cache_size,
     check_arguments,
-    check_names,
-    check_scalar,
-    check_totals_options,
-    hvp_request,
     moved,
 )
-from .calls import Call, Calls
-from .construction import agree_on_distributed, check_kinds, failure
+from .calls import Calls
+from .construction import agree_on_distributed, check_kinds, first_schedule
+from .entries import Entries, Names
 from .execution import Executor
 from .inputs import empty
 from .locking import one_at_a_time
 
 __all__ = ["MODES", "Problem", "empty"]
 
-Names = str | Iterable[str] | None  # what `of` and `wrt` take
-# What a totals call's attempt gives (named once: a nested function's annotations are
-# made on every call): layout, `of` and `wrt` names, direction, program, sweeps.
-_Attempt = tuple[Layout, tuple[str, ...], tuple[str, ...], str, Program | None,
-                 dict[str, Any] | None]
+
 
 
 class Problem:
@@ -156,6 +147,8 @@ class Problem:
         layout = self._calls.agreed(self._point, ("Problem", f"backend={self.backend}",
                                                   f"fuse={self.fuse}", f"cache={size}"))
         self.output_names = tuple(layout.outputs)
+        self._entries = Entries(self.comm, self.distributed, self._trees, self.input_names,
+                                self.output_names, self._calls)
         unknown = self.distributed - set(self.input_names) - set(self.output_names)
         if unknown:
             raise ValueError(f"Problem(distributed={sorted(self.distributed)}): no input or "
@@ -164,21 +157,8 @@ class Problem:
         self._coordinator.collective_step(
             "Problem: checking the kinds of its values",
             lambda: check_kinds(inference, self.distributed))
-        schedule = None
-        differentiable = layout.differentiable
-        if differentiable["outputs"] and differentiable["inputs"]:
-            try:
-                schedule = self._programs.program(
-                    "compute_totals", TotalsOptions("batched", differentiable["outputs"],
-                                                    differentiable["inputs"]),
-                    layout, caller="Problem(...)").schedule
-            except Exception as err:  # left for later or raised, on every rank
-                if not self._coordinator.go_on_without(failure(err)):
-                    raise
-        if schedule is None:  # (or nothing to differentiate)
-            schedule = self._programs.program("run", (), layout,
-                                              caller="Problem(...)").schedule
-        self._schedule: tuple[ScheduleEntry, ...] = schedule
+        self._schedule: tuple[ScheduleEntry, ...] = first_schedule(
+            self._programs, self._coordinator, layout)
 
     # -- configuration, fixed at construction ---------------------------------------
     @property
@@ -255,12 +235,7 @@ class Problem:
         `check_replicated` finds replicated values that differ.
         """
         point, refused = moved("run", inputs, self._point, self.copy, trees=self._trees)
-
-        def attempt(call: Call) -> dict[str, np.ndarray]:
-            layout = call.agree(point, ("run",), refused, self._point)
-            return call.run(call.program("run", (), layout), point)
-
-        outs = self._calls(attempt)
+        outs = self._entries.run(point, refused, self._point)
         if self.check_replicated:
             _replicated.check_replicated(self.comm, self.distributed, {**point, **outs}, "run")
         self._point = point
@@ -313,24 +288,8 @@ class Problem:
         """`compute_totals`; `check_ranks=False` leaves out the check that the blocks of
         replicated inputs are the same on every rank (`check_totals` reports ranks that
         differ in its own way)."""
-        def attempt(call: Call) -> _Attempt:
-            layout, names, ins, way = self._totals_request(
-                call, "compute_totals", self._point, of, wrt, mode, return_format, direction)
-            if not names or not ins:
-                return layout, names, ins, way, None, None
-            program = call.program(
-                "compute_totals", TotalsOptions(mode, names, ins, False, way), layout)
-            return layout, names, ins, way, program, call.run(program, self._point)
-
-        layout, names, ins, way, program, cts = self._calls(attempt)
-        if program is None or cts is None:
-            return {}
-        check = check_ranks and _assembly.unchecked(program, return_format)
-        totals = _assembly.assembled(self.comm, layout, cts, names, ins, return_format,
-                                     way, check)
-        if check_ranks:
-            program.totals_checked.add(return_format)
-        return totals
+        return self._entries.totals(self._point, of, wrt, mode, return_format, direction,
+                                    check_ranks)
 
     @one_at_a_time
     def compute_hvp(self, of: str, wrt: Names, tangent: dict[str, Any],
@@ -363,32 +322,7 @@ class Problem:
         `DistopError` on every rank where the products for a replicated input differ
         between ranks.
         """
-        method = "compute_hvp"
-        if not isinstance(of, str):
-            raise TypeError(f"{method}(of={of!r}): expected the name of one scalar output.")
-        key = _totals.request_key
-        names, tangents, count, refused = hvp_request(method, wrt, tangent, self._trees,
-                                                      self.input_names, self._point)
-        count_key = count if count is not None or refused is None else "refused"
-
-        def attempt(call: Call) -> tuple[Program, dict[str, Any]]:
-            request = (method, key(of, names=True), key(names, names=True), key(count_key))
-            layout = call.agree(self._point, request, refused, self._point)
-            ins = check_names(method, "wrt", names, self.input_names,
-                              layout.differentiable["inputs"])
-            (out,) = check_names(method, "of", of, self.output_names,
-                                 layout.differentiable["outputs"])
-            check_scalar(method, of, out, layout.outputs[out].shape, self.distributed)
-            program = call.program(method, HvpOptions(out, ins, count), layout,
-                                   make_extra=lambda: (tangents,))
-            found = call.run(program, self._point, (tangents,))
-            if _assembly.unchecked(program, "global"):
-                _assembly.check_replicated_totals(
-                    self.comm, layout, {(out, w): found[w] for w in ins}, "global")
-                program.totals_checked.add("global")
-            return program, found
-
-        return self._calls(attempt)[1]
+        return self._entries.hvp(self._point, of, wrt, tangent)
 
     @one_at_a_time
     def run_and_compute_totals(
@@ -414,29 +348,8 @@ class Problem:
         """
         point, refused = moved("run_and_compute_totals", {} if inputs is None else inputs,
                                self._point, self.copy, keywords=False, trees=self._trees)
-
-        def attempt(call: Call) -> tuple[Layout, tuple[str, ...], tuple[str, ...], str,
-                                         Program, dict[Any, Any]]:
-            layout, names, ins, way = self._totals_request(
-                call, "run_and_compute_totals", point, of, wrt, mode, return_format,
-                direction, refused)
-            if not names or not ins:  # nothing to differentiate: `run`'s program
-                program = call.program("run", (), layout)
-            else:
-                program = call.program(
-                    "compute_totals", TotalsOptions(mode, names, ins, True, way), layout)
-            return layout, names, ins, way, program, call.run(program, point)
-
-        layout, names, ins, way, program, out = self._calls(attempt)
-        if names and ins:
-            values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
-            swept = names if way == "fwd" else ins
-            totals = _assembly.assembled(self.comm, layout, {k: out["total", k] for k in swept},
-                                         names, ins, return_format, way,
-                                         _assembly.unchecked(program, return_format))
-            program.totals_checked.add(return_format)
-        else:
-            values, totals = out, {}
+        values, totals = self._entries.run_and_totals(point, refused, self._point, of, wrt,
+                                                      mode, return_format, direction)
         if self.check_replicated:
             _replicated.check_replicated(self.comm, self.distributed, {**point, **values},
                                      "run_and_compute_totals")
@@ -487,33 +400,19 @@ class Problem:
         ranks; what `compute_totals` raises.
         """
         # the arguments are checked once the ranks agree on them: an error on every rank
-        key = _totals.request_key
         point = self._point
-        layout = self._calls.agreed(point, (
-            "check_totals", key(of, names=True), key(wrt, names=True), key(method),
-            key(form), key(step), key(atol), key(rtol)))
-        step, atol, rtol = _totals.check_options(method, form, step, atol, rtol)
-        of = check_names("check_totals", "of", of, self.output_names,
-                         layout.differentiable["outputs"])
-        wrt = check_names("check_totals", "wrt", self._trees.expand(wrt), self.input_names,
-                          layout.differentiable["inputs"])
-        if method == "cs":
-            _totals.check_complex_step(layout, of, wrt)
 
-        def perturbed(options: FDOptions, deltas: dict[str, np.ndarray]) -> dict[str, Any]:
-            program = self._programs.program("fd", options, layout,
-                                             make_extra=lambda: (deltas,))
-            return self._executor(program, point)
+        def evaluations(layout: Layout, perturbed: Callable[..., Any]) -> Any:
+            return _totals.Evaluations(
+                self.comm, self.distributed, layout, point, self.run,
+                functools.partial(self._compute_totals, check_ranks=False), perturbed)
 
-        evaluations = _totals.Evaluations(
-            self.comm, self.distributed, layout, point, self.run,
-            functools.partial(self._compute_totals, check_ranks=False), perturbed)
-        return _totals.check_totals(evaluations, of, wrt, method=method, form=form, step=step,
-                                    atol=atol, rtol=rtol, out_stream=out_stream,
-                                    raise_on_error=raise_on_error,
-                                    show_only_incorrect=show_only_incorrect,
-                                    progress=progress)
-
+        return self._entries.check_totals(point, of, wrt, method, form, step, atol, rtol,
+                                          evaluations, dict(
+                                              out_stream=out_stream,
+                                              raise_on_error=raise_on_error,
+                                              show_only_incorrect=show_only_incorrect,
+                                              progress=progress))
 
     @one_at_a_time
     def check_hvp(self, of: str, wrt: Names = None, *, directions: int = 2, seed: int = 0,
@@ -543,58 +442,13 @@ class Problem:
         **Raises:** `DerivativeCheckError` on every rank if `raise_on_error` and a block
         fails; what `compute_hvp` and `compute_totals` raise.
         """
-        key = _totals.request_key
-        point = self._point
-        layout = self._calls.agreed(point, (
-            "check_hvp", key(of, names=True), key(wrt, names=True), key(directions),
-            key(seed), key(step), key(atol), key(rtol)))
-        step, atol, rtol = _totals.check_options("fd", "central", step, atol, rtol)
-        if not isinstance(directions, int) or directions < 1:
-            raise ValueError(f"check_hvp(directions={directions!r}): expected a whole "
-                             "number of directions, at least 1.")
-        (out,) = check_names("check_hvp", "of", [of] if isinstance(of, str) else of,
-                             self.output_names, layout.differentiable["outputs"])
-        ins = check_names("check_hvp", "wrt", self._trees.expand(wrt), self.input_names,
-                          layout.differentiable["inputs"])
-
-        def gradient(deltas: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            moved = {w: point[w] + deltas[w] for w in deltas}
+        def gradient_at(out: str, ins: tuple[str, ...],
+                        moved: dict[str, Any]) -> dict[str, np.ndarray]:
             found = self.run_and_compute_totals([out], ins, inputs=moved)[1]
             return {w: found[out, w][0] for w in ins}
 
-        evaluations = _totals.HvpEvaluations(self.comm, layout, point, self.compute_hvp,
-                                             gradient)
-        try:
-            return _totals.check_hvp(evaluations, out, ins, directions=directions,
-                                     seed=seed, step=step, atol=atol, rtol=rtol,
-                                     out_stream=out_stream, raise_on_error=raise_on_error,
-                                     show_only_incorrect=show_only_incorrect,
-                                     progress=progress)
-        finally:
-            self.run(**{w: point[w] for w in ins})  # (the current point, as it was)
-
-    def _totals_request(self, call: Call, method: str, point: dict[str, Any], of: Names,
-                        wrt: Names, mode: str, return_format: str, direction: str,
-                        refused: BaseException | None = None,
-                        ) -> tuple[Layout, tuple[str, ...], tuple[str, ...], str]:
-        """Agree on a request for totals at `point` as part of `call` and check its
-        arguments.
-
-        **Returns:** (the `Layout`, the `of` names, the `wrt` names, the direction of
-        the sweeps: `"rev"` or `"fwd"`)."""
-        key = _totals.request_key
-        request = (method, key(of, names=True), key(wrt, names=True), key(mode),
-                   key(return_format), key(direction))
-        layout = call.agree(point, request, refused, self._point)
-        of = check_names(method, "of", of, self.output_names,
-                         layout.differentiable["outputs"])
-        wrt = check_names(method, "wrt", self._trees.expand(wrt), self.input_names,
-                          layout.differentiable["inputs"])
-        check_totals_options(method, mode, return_format, direction)
-        if direction == "auto":  # (the same on every rank: the layout is)
-            rows = sum(layout.global_size(o) for o in of)
-            columns = sum(layout.global_size(w) for w in wrt)
-            direction = "fwd" if columns < rows else "rev"
-        return layout, of, wrt, direction
-
-
+        return self._entries.check_hvp(
+            self._point, of, wrt, directions, seed, step, atol, rtol, gradient_at,
+            self.compute_hvp, lambda inputs: self.run(**inputs), dict(
+                out_stream=out_stream, raise_on_error=raise_on_error,
+                show_only_incorrect=show_only_incorrect, progress=progress))

@@ -31,10 +31,7 @@ from .layout import Layout, TracingInputs, seeds, tangent_seeds, unit_seeds
 from .packing import pack, unpack_plan
 from .schedule import ScheduleEntry
 from .stages import nested
-from .tracing import FDOptions, HvpOptions, TotalsOptions, build
-
-# what selects an entry point's program
-Options = TotalsOptions | FDOptions | HvpOptions | tuple[()]
+from .tracing import Options, TotalsOptions, build
 
 
 class Traced(NamedTuple):
@@ -346,9 +343,9 @@ class Programs:
                                          inputs=layout.inputs, specs=specs)
             if lean is not None:
                 assert found is not None  # (a lean program is made of what was traced)
-                if nested.nested(found[2].jaxpr):  # (compiled as traced: all made)
+                if nested.nested(found.closed.jaxpr):  # (compiled as traced: all made)
                     return Traced(*lean, None)
-                calls = lean_calls(found[2].jaxpr)
+                calls = lean_calls(found.closed.jaxpr)
                 traced = tuple(c for c in calls if isinstance(c, HostCall))
                 assert len(traced) == len(calls)  # (as traced: none fused or rolled)
                 return Traced(*lean, traced)
@@ -386,7 +383,7 @@ class Programs:
         closed, own = self.coordinator.collective_step(f"{name}: tracing the program", traced)
         if not own:
             fn = pipeline.function(jaxpr_as_fun(closed))
-        return fn, outputs, closed
+        return pipeline.Found(fn, outputs, closed)
 
 
 

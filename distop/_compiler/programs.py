@@ -192,7 +192,8 @@ class Programs:
         # what must agree, and the axis 0 of their distributed outputs.
         fixed = stable_hash(sorted((k, (s[0][1:], s[1], len(s[0])) if k in self.distributed
                                     else s) for k, s in mine.items()))
-        top = self.coordinator.most(np.array([fixed, -fixed], np.int64))
+        top = self.coordinator.most(np.array([fixed, -fixed], np.int64),
+                                    "Problem: agreeing on the outputs' shapes")
         shared = sorted(k for k, s in outputs.items() if k in self.distributed and s.ndim)
         if top[0] != -top[1] or len(shared) < sum(k in self.distributed for k in outputs):
             shapes = self.comm.allgather(mine)

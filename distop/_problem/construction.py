@@ -30,7 +30,8 @@ def agree_on_distributed(coordinator: Coordinator, point: dict) -> None:
     names = sorted(distributed)
     named = stable_hash(names)
     top = coordinator.most(np.array(
-        [2 + sum(k in distributed for k in point), named, -named], np.int64))
+        [2 + sum(k in distributed for k in point), named, -named], np.int64),
+        "Problem: agreeing on the distributed names")
     if top[1] != -top[2]:
         every = coordinator.comm.allgather(names)
         raise DistopError(

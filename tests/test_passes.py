@@ -203,7 +203,7 @@ class Ranks:
 def lean_totals(exchange, *, fuse=True):
     """**Returns:** (`totals()`, its `lean_program` through `exchange`)."""
     closed = totals()
-    found = (None, {"out": ((3, 2), np.float64)}, closed)
+    found = pipeline.Found(None, {"out": ((3, 2), np.float64)}, closed)
     made = pipeline.lean_program("t", found, exchange=exchange, unit_seeds=(0,),
                                  fuse=fuse, inputs={"x": jax.ShapeDtypeStruct((2,), float)},
                                  specs=(jax.ShapeDtypeStruct((3, 3), float),))
@@ -253,7 +253,7 @@ def test_the_driver_agrees_on_the_calls_to_drop_in_rounds():
 
 def test_the_driver_leaves_a_program_with_nothing_to_rewrite_as_traced():
     closed = lean(lambda session, x: (RowScale(2.0)(x),), X)
-    found = ("traced", {}, closed)
+    found = pipeline.Found("traced", {}, closed)
     made = pipeline.lean_program("run", found, exchange=Ranks(), unit_seeds=(), fuse=True,
                                  inputs={"x": jax.ShapeDtypeStruct((2,), float)}, specs=())
     assert tuple(made) == found

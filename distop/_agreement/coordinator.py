@@ -111,10 +111,17 @@ class Coordinator:
         size, whatever the number of ranks."""
         return bool(_comm.most(self.comm, np.array([1 if mine else 0], np.int64))[0])
 
-    def most(self, vector: np.ndarray) -> np.ndarray:
-        """**Returns:** the elementwise maximum of an int64 `vector` over the ranks
-        (every rank passes one of the same length)."""
-        with _watchdog.watchdog.watch("Problem: agreeing on a program's rewrites"):
+    def most(self, vector: np.ndarray,
+             what: str = "Problem: agreeing on a program's rewrites") -> np.ndarray:
+        """The elementwise maximum of an int64 vector over the ranks.
+
+        **Arguments:**
+        - `vector`: this rank's; every rank passes one of the same length.
+        - `what`: the step, for the watchdog's message should a rank not come.
+
+        **Returns:** the maximum.
+        """
+        with _watchdog.watchdog.watch(what):
             return _comm.most(self.comm, vector)
 
     def widen(self, widths: list[int]) -> None:
@@ -182,7 +189,7 @@ class Coordinator:
                                                _widths[self.comm], guess[2], guess[0])
             first = CallAgreement(self.comm, [fixed[1], -1, *own], _widths[self.comm],
                                   stable_hash((fixed[1], -1)))
-            first.ranks_differ()  # (always True: no rank expects sizes here)
+            first.anything_differs()  # (always True: no rank expects sizes here)
             every = first.gather()
         if (every[:, 0] != every[0, 0]).any():
             self._differ(fixed, refused)
@@ -266,7 +273,7 @@ class CallAgreement:
         self.every: np.ndarray | None = None
         self.missed: bool | None = None
 
-    def ranks_differ(self) -> bool:
+    def anything_differs(self) -> bool:
         """**Returns:** whether some rank holds other hashes than this one, or finds its
         own block sizes other than `expect` (or expects none): one fixed-size
         collective, decided alike on every rank."""
@@ -283,7 +290,7 @@ class CallAgreement:
         return top[0] != -top[1] or top[2] != 0
 
     def gather(self) -> np.ndarray:
-        """**Returns:** every rank's `mine`, one row per rank (after `ranks_differ`,
+        """**Returns:** every rank's `mine`, one row per rank (after `anything_differs`,
         and only where it found a difference: every rank makes both alike)."""
         every = np.empty((self.comm.Get_size(), len(self.mine)), np.int64)
         with _watchdog.watchdog.watch("Problem: agreeing on the inputs' shapes"):
@@ -293,7 +300,7 @@ class CallAgreement:
     def ranks_disagree(self) -> bool:
         """Make the agreement, once. **Returns:** whether the ranks disagree."""
         if self.missed is None:
-            if not self.ranks_differ():
+            if not self.anything_differs():
                 self.missed = False
                 return False
             self.every = self.gather()

@@ -151,8 +151,6 @@ def _decisions(steps: Sequence[Pass[Any, Any]], largest: np.ndarray,
 
 
 Outputs = dict[str, tuple[tuple[int, ...], Any]]  # name -> (shape, dtype)
-# (function, outputs, program) as traced: the fields of a `LeanProgram`
-Found = tuple[Callable[..., Any], Outputs, ClosedJaxpr]
 
 
 class LeanProgram(NamedTuple):
@@ -166,6 +164,11 @@ class LeanProgram(NamedTuple):
     fn: Callable[..., Any]
     outputs: Outputs
     closed: ClosedJaxpr
+
+
+# A program as traced, before the passes: `fn`, `outputs` and `closed` as a
+# `LeanProgram`'s (the one the passes leave unchanged is it).
+Found = LeanProgram
 
 
 class Proposed(NamedTuple):
@@ -202,20 +205,20 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
     program takes the `io_callback` path); `found` itself where nothing changes it.
     """
     context = None
-    if found is not None and _ffi.chained(found[2]):
-        invars = found[2].jaxpr.invars
+    if found is not None and _ffi.chained(found.closed):
+        invars = found.closed.jaxpr.invars
         first = len(invars) - len(specs)
         context = Context(tuple(first + i for i in unit_seeds), fuse)
     # A program with calls inside its own loops or branches (see nested.py) is compiled
     # as traced: the passes read the chain's calls at the top level only.
-    inside = found is not None and nested.nested(found[2].jaxpr)
+    inside = found is not None and nested.nested(found.closed.jaxpr)
     passes, after = ((), ()) if inside else (PASSES, AFTER_REWRITE)
     # (the shared passes of every rank's `PASSES`: proposals of as many of them on
     # every rank, or no lean path, so that the ranks agree on `inside`)
     given, agreed = exchange(
         f"{name}: agreeing on the lean path",
-        lambda: None if found is None or context is None else propose(found[2], context,
-                                                                      passes),
+        lambda: None if found is None or context is None else propose(found.closed,
+                                                                      context, passes),
         lambda proposed: None if proposed is None else proposed.proposals,
         [step for step in PASSES if step.shared])
     if agreed is None:
@@ -243,7 +246,7 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
                 program = step.apply(program, decision)
         if not _ffi.chained(program):
             raise DistopError("the rewritten program is not one chain")
-        return compiled(LeanProgram(*found), program, inputs, specs)
+        return compiled(found, program, inputs, specs)
 
     lean, decided_after = exchange(f"{name}: rewriting the program", rewrite,
                              lambda made: tuple(step.analyse(made.closed, context)

@@ -31,10 +31,7 @@ from .layout import Layout, TracingInputs, seeds, tangent_seeds, unit_seeds
 from .packing import pack, unpack_plan
 from .schedule import ScheduleEntry
 from .stages import nested
-from .tracing import FDOptions, HvpOptions, TotalsOptions, build
-
-# what selects an entry point's program
-Options = TotalsOptions | FDOptions | HvpOptions | tuple[()]
+from .tracing import Options, TotalsOptions, build
 
 
 class Traced(NamedTuple):
@@ -195,7 +192,8 @@ class Programs:
         # what must agree, and the axis 0 of their distributed outputs.
         fixed = stable_hash(sorted((k, (s[0][1:], s[1], len(s[0])) if k in self.distributed
                                     else s) for k, s in mine.items()))
-        top = self.coordinator.most(np.array([fixed, -fixed], np.int64))
+        top = self.coordinator.most(np.array([fixed, -fixed], np.int64),
+                                    "Problem: agreeing on the outputs' shapes")
         shared = sorted(k for k, s in outputs.items() if k in self.distributed and s.ndim)
         if top[0] != -top[1] or len(shared) < sum(k in self.distributed for k in outputs):
             shapes = self.comm.allgather(mine)
@@ -253,19 +251,7 @@ class Programs:
                      caller: str) -> Program:
         """Trace, rewrite and agree on a program not built before (see `program`;
         `caller` names it in messages)."""
-        if isinstance(options, TotalsOptions):  # (compute_totals)
-            rank = self.comm.Get_rank()
-
-            def make_extra() -> tuple[Any, ...]:
-                if options.direction == "fwd":
-                    return tangent_seeds(options.wrt, layout, rank)
-                return seeds(options.of, layout, rank)
-            specs = (tangent_seeds(options.wrt, layout, rank, specs_only=True)
-                     if options.direction == "fwd"
-                     else seeds(options.of, layout, rank, specs_only=True))
-        else:
-            specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                 make_extra())
+        extra_maker, specs = self._arguments_after(options, layout, make_extra)
         pending = self._traced_run if name == "run" else None
         try:
             if pending is not None and pending[0] is layout.inputs:
@@ -296,24 +282,41 @@ class Programs:
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
         calls = nested.calls(jaxpr.jaxpr)
-        # Its first host call may make the agreement (see `CallAgreement`) where nothing
-        # else in it runs host code (a callback or FFI call of the model's own, which
-        # could communicate before it, or a call of an operator set to ordered=False,
-        # which XLA may run before it) and it ends whatever its calls return (no loop
-        # or branch of the model's own, whose condition could read the zeros of calls
-        # that did not run).
-        makes_agreement = bool(calls) and checker is None and not jaxpr.jaxpr.effects \
-            and not _ffi.anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
-            and not nested.nested(jaxpr.jaxpr)
-        gate = Gate() if makes_agreement else None
+        gate = Gate() if checker is None and may_make_agreement(jaxpr, calls) else None
         for call in calls:
             call.gate = gate
-        found = self.programs[key] = Program(fn, schedule, outputs, make_extra, checker,
+        found = self.programs[key] = Program(fn, schedule, outputs, extra_maker, checker,
                                               nested.count(jaxpr.jaxpr), gate,
                                               _entry_name(name, options))
         # the lean call sites live as long as the program
         weakref.finalize(found, _ffi.release, calls)
         return found
+
+    def _arguments_after(self, options: Options, layout: Layout,
+                         make_extra: Callable[[], tuple[Any, ...]]
+                         ) -> tuple[Callable[[], tuple[Any, ...]], Any]:
+        """The arguments a program takes after the point, and their specs.
+
+        **Arguments:**
+        - `options`: what selects the program; `compute_totals` takes its seeds there.
+        - `layout`: the `Layout` of the point.
+        - `make_extra`: builds the arguments of any other entry point.
+
+        **Returns:** (what builds the arguments, their `ShapeDtypeStruct`s).
+        """
+        if not isinstance(options, TotalsOptions):
+            return make_extra, jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), make_extra())
+        rank = self.comm.Get_rank()
+
+        def totals_seeds() -> tuple[Any, ...]:
+            if options.direction == "fwd":
+                return tangent_seeds(options.wrt, layout, rank)
+            return seeds(options.of, layout, rank)
+        specs = (tangent_seeds(options.wrt, layout, rank, specs_only=True)
+                 if options.direction == "fwd"
+                 else seeds(options.of, layout, rank, specs_only=True))
+        return totals_seeds, specs
 
     def trace(self, name: str, options: Options, layout: Layout | TracingInputs, specs: Any,
               vectorize: bool) -> Traced:
@@ -341,9 +344,9 @@ class Programs:
                                          inputs=layout.inputs, specs=specs)
             if lean is not None:
                 assert found is not None  # (a lean program is made of what was traced)
-                if nested.nested(found[2].jaxpr):  # (compiled as traced: all made)
+                if nested.nested(found.closed.jaxpr):  # (compiled as traced: all made)
                     return Traced(*lean, None)
-                calls = lean_calls(found[2].jaxpr)
+                calls = lean_calls(found.closed.jaxpr)
                 traced = tuple(c for c in calls if isinstance(c, HostCall))
                 assert len(traced) == len(calls)  # (as traced: none fused or rolled)
                 return Traced(*lean, traced)
@@ -381,7 +384,7 @@ class Programs:
         closed, own = self.coordinator.collective_step(f"{name}: tracing the program", traced)
         if not own:
             fn = pipeline.function(jaxpr_as_fun(closed))
-        return fn, outputs, closed
+        return pipeline.Found(fn, outputs, closed)
 
 
 
@@ -402,9 +405,29 @@ def collector_paused() -> Iterator[None]:
 BLOCKS_AGREEMENT = ("while", "pure_callback", "ffi_call")  # (see `Program.makes_agreement`)
 
 
+def may_make_agreement(jaxpr: ClosedJaxpr, calls: Sequence[Any]) -> bool:
+    """Whether a program's first host call may make the agreement (see `CallAgreement`).
+
+    It may where nothing else in the program runs host code (a callback or FFI call of
+    the model's own, which could communicate before it, or a call of an operator set to
+    ordered=False, which XLA may run before it) and the program ends whatever its calls
+    return (no loop or branch of the model's own, whose condition could read the zeros
+    of calls that did not run).
+
+    **Arguments:**
+    - `jaxpr`: the program.
+    - `calls`: its lean host calls.
+
+    **Returns:** whether it may.
+    """
+    return bool(calls) and not jaxpr.jaxpr.effects \
+        and not _ffi.anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
+        and not nested.nested(jaxpr.jaxpr)
+
+
 def blocks_agreement(eqn: JaxprEqn) -> bool:
     """Whether `eqn` keeps its program from making the agreement in its first host call
-    (see `Programs._new_program`)."""
+    (see `may_make_agreement`)."""
     return eqn.primitive.name in BLOCKS_AGREEMENT or (
         eqn.primitive.name == "distop_host_call" and not eqn.params["call"].lean)
 

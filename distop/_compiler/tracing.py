@@ -42,6 +42,10 @@ class HvpOptions(NamedTuple):
     directions: int | None
 
 
+# what selects an entry point's program (`run` takes none)
+Options = TotalsOptions | FDOptions | HvpOptions | tuple[()]
+
+
 def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, jax.Array]:
     """**Returns:** the model's outputs at `point`, checked to be a dict of arrays."""
     out = model(**point)
@@ -51,7 +55,7 @@ def call_model(model: Callable[..., Any], point: dict[str, Any]) -> dict[str, ja
     return {k: jnp.asarray(v) for k, v in out.items()}
 
 
-def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout: Any,
+def build(model: Callable[..., Any], name: str, options: Options, layout: Any,
           vectorize: bool = True) -> Callable[..., Any]:
     """The function of an entry point; `vectorize=False` replaces `vmap` over seeds
     or perturbations by a sequential loop (for models JAX cannot vmap)."""
@@ -69,16 +73,15 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
     if name == "run":
         return lambda point: call_model(model, point)
     if name == "compute_hvp":
-        return _hvp(model, HvpOptions(*options), batch)
+        assert isinstance(options, HvpOptions)
+        return _hvp(model, options, batch)
     if name == "fd":
-        def perturbed(point: dict[str, Any], deltas: dict[str, Any]) -> Any:
-            with complex_step(options[3] == "cs"):
-                return batch(lambda d: call_model(
-                    model, {**point, **{k: point[k] + d[k] for k in d}}), deltas)
-        return perturbed
-    mode, of_names, diff_names, with_values, direction = options
-    if mode == "batched" and not vectorize:
-        mode = "loop"
+        assert isinstance(options, FDOptions)
+        return _perturbed(model, options, batch)
+    assert isinstance(options, TotalsOptions)
+    of_names, diff_names, direction = options.of, options.wrt, options.direction
+    with_values = options.with_values
+    mode = "loop" if options.mode == "batched" and not vectorize else options.mode
 
     def sweeps(sweep: Callable[[Any], Any], seeds: dict[str, Any]) -> dict[str, Any]:
         """`sweep` of every row of `seeds`, stacked, as `mode` says."""
@@ -115,6 +118,19 @@ def build(model: Callable[..., Any], name: str, options: tuple[Any, ...], layout
                 **{("total", k): v for k, v in cts.items()}}
 
     return totals
+
+
+def _perturbed(model: Callable[..., Any], options: FDOptions,
+               batch: Callable[[Callable[[Any], Any], Any], Any]) -> Callable[..., Any]:
+    """The function of the finite-difference program: the model at the point plus each
+    perturbation, with complex steps where `options.method` is "cs"."""
+    complex_steps = options.method == "cs"
+
+    def perturbed(point: dict[str, Any], deltas: dict[str, Any]) -> Any:
+        with complex_step(complex_steps):
+            return batch(lambda d: call_model(
+                model, {**point, **{k: point[k] + d[k] for k in d}}), deltas)
+    return perturbed
 
 
 def _hvp(model: Callable[..., Any], options: HvpOptions,

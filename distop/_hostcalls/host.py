@@ -3,7 +3,8 @@
 One `HostCall` object is what XLA calls back into: the runner of a call's description
 (a `CallSpec`, see spec.py). It owns everything per call that is not JAX: contiguous
 row-major arrays for user code, the per-row loop or single batched call, and checks of
-what user code returns; a failure goes to `failure.fail`.
+what user code returns (all but the common case in results.py); a failure goes to
+`failure.fail`.
 """
 
 import math
@@ -16,12 +17,12 @@ import numpy as np
 from .._agreement.comm import checker
 from .._config import settings
 from .._diagnostics import profile as _profile
-from .._errors import OperatorError
 from .._safety import checking as _checking
 from .._safety import watchdog as _watchdog
 from .._safety.guard import GuardedComm
 from .base import HostCallable
 from .failure import fail
+from .results import check_declared, check_results
 from .spec import CallSpec
 
 Rows = slice | np.ndarray | None  # batch rows: a slice, indices, or None for every row
@@ -217,22 +218,13 @@ class HostCall(HostCallable):
                     else:
                         results = self._call_rows(args, comm)
                 if self.checker is not None:
-                    self._check_declared(comm.issued)
+                    check_declared(self, comm.issued)
                     self.checker.check_same(("finished", self.where))
                 if profile is not None:
                     profile.ended(self)
                 return results
             except BaseException as err:  # noqa: BLE001 - every failure must be reported
                 fail(self, err)
-
-    def _check_declared(self, issued: Sequence[str]) -> None:
-        # mpi4py's lower-case methods are the same collectives on Python objects.
-        declared = {name.lower() for name in self.declared}
-        undeclared = sorted({name for name in issued if name.lower() not in declared})
-        if undeclared:
-            raise OperatorError(self.say(
-                f"issued {undeclared}, not declared in {self.label}_collectives="
-                f"{self.declared}; declare every collective the method issues"))
 
     # -- helpers --------------------------------------------------------------------
     def _invoke(self, args: Sequence[np.ndarray], comm: Any,
@@ -372,72 +364,15 @@ class HostCall(HostCallable):
 
     def _check(self, result: Any, batch: tuple[int, ...],
                row: tuple[int, ...] | None = None) -> tuple[np.ndarray, ...]:
-        n = self.n_user_results
-        if n == 1 and type(result) is np.ndarray and len(self._expected) == 1:
-            # (one array returned: the common case, checked without the loop below)
+        """**Returns:** the method's results, checked (see `results.check_results`)."""
+        if self.n_user_results == 1 and type(result) is np.ndarray \
+                and len(self._expected) == 1:
+            # (one array returned: the common case, checked here without a call more)
             _, shape, dtype = self._expected[0]
             if result.shape == batch + shape and result.dtype == dtype \
                     and result.flags.c_contiguous:
                 return (result,)
-        if n == 1 and isinstance(result, list):
-            where, what = self._describe(row)
-            raise OperatorError(self.say(
-                f"returned a list{where}; return its one {what} as a numpy array "
-                "(np.asarray(...)), or a tuple of one array"))
-        if not isinstance(result, (tuple, list)):
-            result = (result,) if n == 1 else result
-        if not isinstance(result, (tuple, list)) or len(result) != n:
-            where, what = self._describe(row)
-            got = (f"a {type(result).__name__} of length {len(result)}"
-                   if isinstance(result, (tuple, list)) else type(result).__name__)
-            raise OperatorError(self.say(
-                f"returned {got}{where}; expected {n} {what}s as a tuple, one per "
-                + ("input" if self.phase in ("vjp", "hvp") else "output")))
-        checked = []
-        for k, shape, dtype in self._expected:
-            r = result[k]
-            if type(r) is not np.ndarray or not r.flags.c_contiguous:
-                if r is None:
-                    where, what = self._describe(row)
-                    raise OperatorError(self.say(
-                        f"returned None for {what} {k}{where}; " + (
-                            "return an array" if self.phase == "forward"
-                            else f"return zeros for a zero {what}")))
-                r = np.asarray(r, order="C")
-            if r.shape != batch + shape or r.dtype != dtype:
-                where, what = self._describe(row)
-                raise OperatorError(self.say(
-                    f"returned {what} {k}{where} with shape {r.shape} and dtype "
-                    f"{r.dtype}; expected shape {batch + shape} and dtype {dtype}"
-                    + (" (a leading batch axis, as batched_" + self.phase + " = True)"
-                       if batch else "") + self._expected_from()))
-            checked.append(r)
-        return tuple(checked)
-
-    def _expected_from(self) -> str:
-        """**Returns:** where the expected shapes come from and where the method is, for
-        the message of a result of the wrong shape (the traceback holds only distop's
-        frames: the method has returned)."""
-        name = type(self.op).__name__
-        if self.phase == "forward":
-            told = (f". The expected shapes come from {name}.output_spec (by default: "
-                    "the first input's shape and dtype); define output_spec(self, "
-                    "*input_specs) returning the outputs' jax.ShapeDtypeStruct where "
-                    "they differ")
-        else:
-            told = (f". A {self.phase} returns one array per "
-                    + ("input, shaped as that input" if self.phase == "vjp"
-                       else "output, shaped as that output"))
-        code = getattr(self.function, "__code__", None)
-        place = ("" if code is None else
-                 f" ({self.where} is at {code.co_filename}:{code.co_firstlineno})")
-        return told + place
-
-    def _describe(self, row: tuple[int, ...] | None) -> tuple[str, str]:
-        """**Returns:** (where in the batch, what the results are), for messages."""
-        return ("" if row is None else f" (batch row {row})",
-                {"vjp": "input cotangent", "hvp": "input cotangent",
-                 "jvp": "output tangent"}.get(self.phase, "output"))
+        return check_results(self, result, batch, row)
 
     def say(self, text: str) -> str:
         """**Returns:** `text` after the method and rank it is of, for messages."""

@@ -81,7 +81,6 @@ class Session:
 
     def __init__(self, token: Any) -> None:
         self.token = token  # (a tracer of the program being traced)
-        self.calls = 0
         self.trace = current_trace()  # the program's own trace
 
     def at_top(self) -> bool:

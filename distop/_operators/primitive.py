@@ -404,12 +404,11 @@ def _transpose_forward(cts: Sequence[Any], *args: Any, call: HostCall) -> list[A
             f"floating-point inputs together, but inputs {known} are known values here, "
             "which makes the call affine in the others, not linear. Pass every "
             "floating-point input of the call as a linear argument.")
-    vjp = "vjp"
-    _require(op, vjp)
+    _require(op, "vjp")
     # (a linear map's vjp is the same at every point: zero inputs stand for the unknown)
     inputs = [jnp.zeros(x.aval.shape, x.aval.dtype) if ad.is_undefined_primal(x) else x
               for x in args]
-    transposed = call.with_phase(vjp)
+    transposed = call.with_phase("vjp")
     cts = [ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts]
     linear = [cts[j] for j, spec in enumerate(call.out_specs) if inexact_spec(spec)]
     found = iter(bind_call(transposed, [*linear, *inputs]))

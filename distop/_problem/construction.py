@@ -34,7 +34,8 @@ def agree_on_distributed(coordinator: Coordinator, point: dict) -> None:
     names = sorted(distributed)
     named = stable_hash(names)
     top = coordinator.most(np.array(
-        [2 + sum(k in distributed for k in point), named, -named], np.int64))
+        [2 + sum(k in distributed for k in point), named, -named], np.int64),
+        "Problem: agreeing on the distributed names")
     if top[1] != -top[2]:
         every = coordinator.comm.allgather(names)
         raise DistopError(
@@ -68,6 +69,12 @@ def check_output_kinds(varying: list[str], distributed: frozenset[str]) -> None:
             "else reduce them to one value on every rank, e.g. distop.AllreduceSum()(...).")
 
 
+# The plain types JAX raises where it cannot differentiate a model (reverse mode of a
+# while_loop is a ValueError), matched exactly: a subclass of them (one of distop's own
+# errors, or one of JAX's tracer errors) says that something else went wrong.
+JAX_CANNOT_DIFFERENTIATE = (ValueError, TypeError, NotImplementedError)
+
+
 def failure(err: BaseException) -> Failure:
     """This rank's view of a `compute_totals` program that failed as a Problem was made:
     `LEFT_FOR_LATER` where the model can still run (an operator has no vjp, the model
@@ -76,8 +83,7 @@ def failure(err: BaseException) -> Failure:
     because another rank did; else `RAISE_NOW`. The ranks decide together
     (`Coordinator.go_on_without`)."""
     if isinstance(err, (MissingMethodError, SecondDerivativeError,
-                        OrderedEffectError)) or type(err) in (
-            ValueError, TypeError, NotImplementedError):
+                        OrderedEffectError)) or type(err) in JAX_CANNOT_DIFFERENTIATE:
         return Failure.LEFT_FOR_LATER
     if getattr(err, "elsewhere", False):
         return Failure.ON_OTHER_RANKS

@@ -661,13 +661,13 @@ def test_a_steady_call_enters_the_agreement_once_and_makes_it_in_its_program(mon
         monkeypatch.setattr(_coordinator.Coordinator, name,
                             lambda self, *a, _m=method, _n=name, **k:
                             entered.append(_n) or _m(self, *a, **k))
-    differ = _coordinator.CallAgreement.ranks_differ
+    differs = _coordinator.CallAgreement.anything_differs
 
-    def ranks_differ(self):  # who makes it: the FFI handler, in the program's first call
+    def anything_differs(self):  # who makes it: the FFI handler, in the program's first call
         made.append(any(f.f_code is _ffi._handler.__code__ for f in _frames()))
-        return differ(self)
+        return differs(self)
 
-    monkeypatch.setattr(_coordinator.CallAgreement, "ranks_differ", ranks_differ)
+    monkeypatch.setattr(_coordinator.CallAgreement, "anything_differs", anything_differs)
     np.testing.assert_array_equal(problem.run()["f0"], expected[0])
     np.testing.assert_array_equal(problem.compute_totals()["f0", "x"], expected[1])
     # one entry into the agreement per call, and one collective: made in the program,

@@ -53,19 +53,22 @@ def checked(model, reference):
 def test_problems_made_and_dropped_reuse_the_values_of_the_setting(name):
     model, reference = models(Wave())[name], models(wave)[name]
     checked(model, reference)  # (dropped at once; the first may make values)
-    made = sessions.values().made
+    start = sessions.values()  # (other tests' bodies JAX keeps may hold some for good)
     for _ in range(3):
         checked(model, reference)
-        assert sessions.values() == (made, 0)
+        now = sessions.values()
+        assert now.made == start.made and now.in_use <= start.in_use, (start, now)
 
 
 def test_problems_alive_together_share_a_value_where_jax_keeps_no_call():
     # (the totals programs' calls in jax.vjp's tangent trace keep no value either)
     model, reference = models(Wave())["plain"], models(wave)["plain"]
+    before = sessions.values()  # (other tests' bodies JAX keeps may hold some for good)
     first = checked(model, reference)
     made = sessions.values().made
     second = checked(model, reference)
-    assert sessions.values() == (made, 0)
+    now = sessions.values()
+    assert now.made == made and now.in_use <= before.in_use, (before, now)
     del first, second
 
 
@@ -87,8 +90,9 @@ def test_a_body_jax_keeps_with_calls_keeps_its_value_until_jax_lets_it_go():
     gc.collect()
     kept = sessions.values()
     assert kept.in_use > before.in_use
-    checked(model, reference)  # (traced afresh under other values: exact)
-    assert sessions.values().made > kept.made
+    checked(model, reference)  # (traced afresh under another value, kept too: exact)
+    gc.collect()
+    assert sessions.values().in_use > kept.in_use
     jax.clear_caches()
     gc.collect()
-    assert sessions.values().in_use == before.in_use
+    assert sessions.values().in_use <= before.in_use

@@ -51,6 +51,10 @@ class _Plan:
     wrap onto itself) are among both, and copied without a message. Each entry is
     (rank, indices, whether the indices are distinct), the last for the adjoint, which
     adds rows at those indices.
+
+    The exchanges themselves are made once as `_Route`s: `forward` and `backward` for
+    the edge rows (the call site's, `block_rows` set), `forward_block` and
+    `backward_block` for a whole block.
     """
 
     def __init__(self, counts: list[int] | tuple[int, ...], width: int, periodic: bool,
@@ -75,6 +79,41 @@ class _Plan:
         n = int(counts_[rank]) if len(counts_) else 0
         self.edge_gives = [(q, _edge_index(where, n, width), unique)
                            for q, where, unique in self.gives]
+        self.forward = _Route(self.edge_gives, self.takes, rank)
+        self.backward = _Route(self.takes, self.edge_gives, rank)
+        self.forward_block = _Route(self.gives, self.takes, rank)
+        self.backward_block = _Route(self.takes, self.gives, rank)
+
+
+class _Route:
+    """One direction of a plan's exchange, made once: what each call sends, receives
+    and copies, each index a slice where its rows are consecutive (then a message goes
+    from, and where it is not added, arrives in, the rows' own memory).
+
+    **Arguments:**
+    - `sends`: per peer, the rows to send it (a plan's entries).
+    - `places`: per peer, the places its rows go (a plan's entries).
+    - `rank`: this rank (its own rows are copied, not sent).
+    """
+
+    __slots__ = ("own", "receives", "sends")
+
+    def __init__(self, sends: list[tuple[int, np.ndarray, bool]],
+                 places: list[tuple[int, np.ndarray, bool]], rank: int) -> None:
+        self.sends = [(q, _span(picks)) for q, picks, _ in sends if q != rank]
+        self.receives = [(p, _span(where), distinct, len(where))
+                         for p, where, distinct in places if p != rank]
+        mine = [picks for q, picks, _ in sends if q == rank]
+        self.own = [(_span(mine[0]), _span(where), distinct)
+                    for p, where, distinct in places if p == rank and mine]
+
+
+def _span(where: np.ndarray) -> slice | np.ndarray:
+    """**Returns:** `where` as a slice where its indices are consecutive and
+    ascending, else itself."""
+    if len(where) and (np.diff(where) == 1).all():
+        return slice(int(where[0]), int(where[-1]) + 1)
+    return where
 
 
 def _entry(peer: Any, where: np.ndarray) -> tuple[int, np.ndarray, bool]:
@@ -196,11 +235,9 @@ class HaloExchange(DistributedOperator):
         rows = _rows_first(x, batched)  # (n or edge rows, B, ...)
         w, block_rows = int(self.width), self.block_rows
         if block_rows is not None:
-            plan = _plan(self, comm, int(block_rows))
-            halo = _exchange(comm, rows, plan.edge_gives, plan.takes, 2 * w)
+            halo = _exchange(comm, rows, _plan(self, comm, int(block_rows)).forward, 2 * w)
             return _batch_first(halo, batched)
-        plan = _plan(self, comm, rows.shape[0])
-        halo = _exchange(comm, rows, plan.gives, plan.takes, 2 * w)
+        halo = _exchange(comm, rows, _plan(self, comm, rows.shape[0]).forward_block, 2 * w)
         return _batch_first(np.concatenate([halo[:w], rows, halo[w:]]), batched)
 
     def vjp(self, comm: Any, y_bar: np.ndarray, x: np.ndarray, *,
@@ -209,15 +246,13 @@ class HaloExchange(DistributedOperator):
         w, block_rows = int(self.width), self.block_rows
         # the transpose of the forward's exchange: halo places back to owners' rows
         if block_rows is not None:
-            plan = _plan(self, comm, int(block_rows))
             x_bar = np.zeros((edge_rows(int(block_rows), w),) + window.shape[1:], window.dtype)
-            _exchange(comm, window, plan.takes, plan.edge_gives, 0, into=x_bar)
+            _exchange(comm, window, _plan(self, comm, int(block_rows)).backward, 0, into=x_bar)
             return _batch_first(x_bar, batched)
         n = window.shape[0] - 2 * w
-        plan = _plan(self, comm, n)
         halo_bar = np.concatenate([window[:w], window[w + n:]])
         x_bar = np.array(window[w:w + n])
-        _exchange(comm, halo_bar, plan.takes, plan.gives, n, into=x_bar)
+        _exchange(comm, halo_bar, _plan(self, comm, n).backward_block, n, into=x_bar)
         return _batch_first(x_bar, batched)
 
     def jvp(self, comm: Any, x_dot: np.ndarray, x: np.ndarray, *,
@@ -260,32 +295,35 @@ def _batch_first(rows: np.ndarray, batched: bool) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(rows, 0, 1))
 
 
-def _exchange(comm: Any, rows: np.ndarray, sends: list[tuple[int, np.ndarray, bool]],
-              places: list[tuple[int, np.ndarray, bool]], length: int,
+def _exchange(comm: Any, rows: np.ndarray, route: _Route, length: int,
               into: np.ndarray | None = None) -> np.ndarray:
-    """Send each rank q of `sends` the `rows` its index array picks; put the rows
-    received from each rank p of `places` at its places in an array of `length` rows:
-    zeros elsewhere, or, given `into`, added to it (a place may receive several rows).
-    One message per peer; rows for this rank itself are copied. (Entries of a `_Plan`.)
+    """Send each peer of `route` its rows of `rows`; put the rows received from each
+    peer at their places in an array of `length` rows: zeros elsewhere, or, given
+    `into`, added to it (a place may receive several rows). One message per peer; this
+    rank's own rows are copied.
 
     **Returns:** that array.
     """
-    rank = comm.Get_rank()
     tail = rows.shape[1:]
+    add = into is not None
     out = np.zeros((length,) + tail, rows.dtype) if into is None else into
-    received = [(p, where, distinct, np.empty((len(where),) + tail, rows.dtype))
-                for p, where, distinct in places if p != rank]
-    requests = [comm.Irecv(buffer, source=p, tag=_TAG) for p, _, _, buffer in received]
-    outgoing = [(q, rows[picks]) for q, picks, _ in sends]  # (fancy indexing: a copy)
-    requests += [comm.Isend(data, dest=q, tag=_TAG) for q, data in outgoing if q != rank]
-    own = dict(outgoing).get(rank)
-    for p, where, distinct in places:
-        if p == rank and own is not None:
-            _put(out, where, distinct, own, into is not None)
+    received = []
+    requests = []
+    for p, where, distinct, count in route.receives:
+        # (rows that are not added, received in order, land in their places directly)
+        direct = not add and type(where) is slice
+        buffer = out[where] if direct else np.empty((count,) + tail, rows.dtype)
+        requests.append(comm.Irecv(buffer, source=p, tag=_TAG))
+        if not direct:
+            received.append((where, distinct, buffer))
+    for q, picks in route.sends:  # (a slice: the rows' own memory; else a copy)
+        requests.append(comm.Isend(rows[picks], dest=q, tag=_TAG))
+    for picks, where, distinct in route.own:
+        _put(out, where, distinct, rows[picks], add)
     if requests:
         requests[0].Waitall(requests)
-    for _, where, distinct, buffer in received:
-        _put(out, where, distinct, buffer, into is not None)
+    for where, distinct, buffer in received:
+        _put(out, where, distinct, buffer, add)
     return out
 
 

@@ -276,8 +276,7 @@ class DistributedOperator(eqx.Module):
     # `forward` or `vjp` calls it once per host call. (An operator is no value to
     # trace: its methods run on numpy, in host calls.)
     if not TYPE_CHECKING:
-        def __getattribute__(self, name: str, /) -> Any:
-            return object.__getattribute__(self, name)
+        __getattribute__ = object.__getattribute__
 
 
 def as_arrays(name: str, inputs: Sequence[Any]) -> list[Any]:

@@ -214,6 +214,34 @@ def test_methods_get_read_only_arguments(backend):
     np.testing.assert_array_equal(problem._point["x"], 1.0)
 
 
+@pytest.mark.parametrize("backend", ["lean", "io_callback"])
+def test_a_method_that_reshapes_its_views_in_place_gets_them_whole_each_step(backend):
+    class Flatten(distop.DistributedOperator):
+        linear = True
+
+        def forward(self, comm, x):
+            assert x.shape == (2, 3), x.shape  # (each step, as declared)
+            x.shape = (6,)  # the view itself, not the array XLA holds
+            return (2.0 * x).reshape(2, 3)
+
+        def vjp(self, comm, y_bar, x):
+            assert y_bar.shape == (2, 3) and x.shape == (2, 3), (y_bar.shape, x.shape)
+            y_bar.shape = x.shape = (6,)
+            return (2.0 * y_bar).reshape(2, 3)
+
+    op = Flatten()
+
+    def model(x):
+        return {"y": jnp.sum(jax.lax.scan(lambda u, _: (op(u) + 1.0, None), x, None,
+                                          length=4)[0])}
+
+    problem = distop.Problem(model, {"x": np.ones((2, 3))}, backend=backend)
+    for _ in range(2):
+        np.testing.assert_allclose(problem.run()["y"], 6 * (16 + 8 + 4 + 2 + 1))
+        np.testing.assert_allclose(problem.compute_totals("y", "x")[("y", "x")],
+                                   np.full((1, 6), 16.0))
+
+
 class SinWithJvp(Sin):
     batched_jvp = True
 

@@ -95,11 +95,12 @@ _advise = _huge_pages()
 
 class _Slot:
     """One argument or result of a call site: its dtype and shape (fixed per call site),
-    and whether a method may write to it. XLA passes a different buffer address on
-    almost every call (a result's buffer is new each time), so each call gets new
-    numpy views (and a large result's buffer huge pages, see `_ADVISED`)."""
+    and whether a method may write to it. A call gets a numpy view of XLA's buffer (and
+    a large result's buffer huge pages, see `_ADVISED`); the view of the buffer the
+    previous call got is kept, since XLA passes the same buffers on every step of a
+    loop."""
 
-    __slots__ = ("advise", "dtype", "nbytes", "shape", "size", "space")
+    __slots__ = ("advise", "dtype", "kept", "nbytes", "shape", "size", "space")
 
     def __init__(self, address: int, writeable: bool) -> None:
         b = Buffer.from_address(address)
@@ -109,15 +110,25 @@ class _Slot:
         self.nbytes = self.size * self.dtype.itemsize
         self.space = _SPACE[writeable]
         self.advise = _advise if writeable and self.nbytes >= _ADVISED else None
+        # (the last view made and its buffer's address, set as one pair: a call of the
+        # site in another thread finds either the old pair or the new one)
+        self.kept: tuple[int | None, np.ndarray] = (-1, np.empty(0))
 
     def view(self, data: int | None) -> np.ndarray:
+        address, last = self.kept
+        if data == address and last.shape == self.shape and last.dtype == self.dtype:
+            # (XLA passes a loop's buffers again and again; a method that reshaped its
+            # view in place gets a new one)
+            return last
         if not self.size:
             return np.zeros(self.shape, self.dtype)
         assert data is not None  # (XLA's buffer of a nonempty value has an address)
         if self.advise is not None:
             self.advise(data, self.nbytes)
         start = data - _BASE
-        return np.ndarray(self.shape, self.dtype, self.space[start:start + self.nbytes])
+        made = np.ndarray(self.shape, self.dtype, self.space[start:start + self.nbytes])
+        self.kept = (data, made)
+        return made
 
 
 class _Plans:

@@ -17,8 +17,10 @@ from .._mpi.runtime import mpi
 from .._operators.operator import DistributedOperator
 
 _OPS = ("sum", "max", "min", "prod")
-# MPI's (value, int) pair types, by the value's dtype (for the owner of an extreme)
-_OWNER_PAIRS = {np.dtype(np.float64): "DOUBLE_INT", np.dtype(np.float32): "FLOAT_INT"}
+# MPI's (value, int) pair types, by the value's dtype (for the owner of an extreme),
+# each with numpy's layout of the pair
+_OWNER_PAIRS = {np.dtype(t): (name, np.dtype([("value", t), ("rank", np.intc)], align=True))
+                for t, name in ((np.float64, "DOUBLE_INT"), (np.float32, "FLOAT_INT"))}
 
 
 def _others_product(comm: Any, x: np.ndarray) -> np.ndarray:
@@ -184,12 +186,12 @@ class Allreduce(DistributedOperator):
         rank = comm.Get_rank()
         paired = _OWNER_PAIRS.get(x.dtype)
         if paired is not None:
-            pairs = np.empty(x.shape, np.dtype([("value", x.dtype), ("rank", np.intc)],
-                                               align=True))
+            name, layout = paired
+            pairs, MPI = np.empty(x.shape, layout), mpi()
             pairs["value"], pairs["rank"] = x, rank
-            found, kind = np.empty_like(pairs), getattr(mpi(), paired)
+            found, kind = np.empty_like(pairs), getattr(MPI, name)
             comm.Allreduce([pairs, kind], [found, kind],
-                           op=mpi().MAXLOC if self.op == "max" else mpi().MINLOC)
+                           op=MPI.MAXLOC if self.op == "max" else MPI.MINLOC)
             # (a NaN extreme has no holder: every rank gets zero)
             return (found["rank"] == rank) & (found["value"] == x)
         extreme = self.forward(comm, x)

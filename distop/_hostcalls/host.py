@@ -347,7 +347,7 @@ class HostCall(HostCallable):
             if kind == "full":
                 if len(batch_shape) > 1:
                     a = a.reshape((n,) + shape)
-            elif kind == "expand":
+            elif kind == "expand" or n == 1:  # (a batch of one: the row itself)
                 a = a.reshape((1,) + shape)
             else:
                 a = np.asarray(a).reshape(tuple(b if on else 1 for b, on in zip(batch_shape, lv))

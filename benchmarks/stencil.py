@@ -24,11 +24,16 @@ Variants:
   own two `Sendrecv`);
 - `jax`: on one rank, plain JAX: `jax.jit(f)` and `jax.jit(jax.grad(f))` of the same
   steps (`jnp.pad` for the halo), no MPI.
+- `floor`: on every rank, the scan in plain JAX with a no-op XLA FFI call (a ctypes
+  handler copying its operand, `xla_loops.ffi_identity`) on the block's edge rows in
+  place of the exchange, and on their cotangent in the reverse loop: what the loop
+  costs with a host call per step, without distop's work or messages.
 
 The first table: `run` and the gradient per rank count and size, S steps, with the
 ratios to `hand`. The second: the cost per step, from S1 and S2 steps in a scan
 ((t(S2) - t(S1)) / (S2 - S1)), split into the forward step (`run`) and the reverse
-step (the gradient's step less the forward's), distop against `hand`.
+step (the gradient's step less the forward's), distop against `hand` and against
+`floor` (what distop adds to the loop's own cost).
 
 The built-in reductions in a loop (`collectives`, one job per rank count, at the first
 size): `AllreduceSum`, `Allreduce(op="max")` and `Allgather` once per step, against
@@ -52,6 +57,7 @@ import time
 HERE = pathlib.Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parent)]
 import loop_collectives  # noqa: E402
+import xla_loops  # noqa: E402
 from suite import MARK, fmt, launch, print_table, ratio  # noqa: E402
 
 DIFFUSION = 0.2  # the stencil's coefficient (stable below 0.25)
@@ -152,6 +158,26 @@ def distop_models(steps):
     return {"scan": scan, "python": python}
 
 
+def floor_program(identity, steps, d):
+    """**Returns:** jitted (value, gradient) of the scan model in plain JAX with the
+    exchange replaced by `identity`, a no-op FFI call on the block's edge rows (and on
+    their cotangent in the reverse loop): the loop's cost with a host call per step, but
+    neither distop nor messages."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def window(u):
+        halo = identity(jnp.concatenate([u[:1], u[-1:]]))
+        return jnp.concatenate([halo[:1], u, halo[1:]])
+
+    def model(u):
+        u = lax.scan(lambda u, _: (jax_step(u, window(u)), None), u, None, length=steps)[0]
+        return 0.5 * jnp.sum((u - d) ** 2)
+
+    return jax.jit(model), jax.jit(jax.grad(model))
+
+
 class Hand:
     """The heat equation by hand: numpy + mpi4py, two `Sendrecv` per step, every
     operation into buffers made once."""
@@ -236,6 +262,7 @@ def heat_worker(args):
 
     S, (S1, S2) = args.steps, args.split
     variants, checks = {}, {}
+    identity, device_u0 = xla_loops.ffi_identity(), jnp.asarray(u0)
     for kind, model in distop_models(S).items():
         made, grad = problem(model, S)
         variants[f"{kind} run"], variants[f"{kind} grad"] = made.run, grad
@@ -247,6 +274,9 @@ def heat_worker(args):
         variants[f"scan run {steps}"], variants[f"scan grad {steps}"] = made.run, grad
         variants[f"hand run {steps}"] = lambda steps=steps: hand.value(steps)
         variants[f"hand grad {steps}"] = lambda steps=steps: hand.gradient(steps)
+        value, gradient = floor_program(identity, steps, d)
+        variants[f"floor run {steps}"] = lambda f=value: f(device_u0).block_until_ready()
+        variants[f"floor grad {steps}"] = lambda f=gradient: f(device_u0).block_until_ready()
     if size == 1:
         def plain(u):
             u = lax.scan(lambda u, _: (jax_step(u, jnp.pad(u, ((1, 1), (0, 0)))), None),
@@ -254,7 +284,6 @@ def heat_worker(args):
             return 0.5 * jnp.sum((u - d) ** 2)
 
         value, gradient = jax.jit(plain), jax.jit(jax.grad(plain))
-        device_u0 = jnp.asarray(u0)
         variants["jax run"] = lambda: value(device_u0).block_until_ready()
         variants["jax grad"] = lambda: gradient(device_u0).block_until_ready()
     # every variant's values and gradients against the hand-written ones
@@ -455,15 +484,19 @@ def print_tables(results, args):
                          fmt(ratio(r[f"{kind} grad"], r["hand grad"]), "x"),
                          fmt(r.get("jax run"), "ms"), fmt(r.get("jax grad"), "ms"),
                          fmt(r["err"], "e")])
-        fwd = {w: per_step(r, f"{w} run", split) for w in ("scan", "hand")}
-        grad = {w: per_step(r, f"{w} grad", split) for w in ("scan", "hand")}
-        rev = {w: grad[w] - fwd[w] for w in ("scan", "hand")}
+        ways = ("scan", "hand", "floor")
+        fwd = {w: per_step(r, f"{w} run", split) for w in ways}
+        grad = {w: per_step(r, f"{w} grad", split) for w in ways}
+        rev = {w: grad[w] - fwd[w] for w in ways}
         steps.append([ranks, n, fmt(fwd["hand"], "us"), fmt(fwd["scan"], "us"),
                       fmt(fwd["scan"] - fwd["hand"], "us"), fmt(rev["hand"], "us"),
                       fmt(rev["scan"], "us"), fmt(rev["scan"] - rev["hand"], "us"),
                       fmt(grad["hand"], "us"), fmt(grad["scan"], "us"),
                       fmt(ratio(grad["scan"], grad["hand"]), "x"),
-                      fmt(ratio(rev["scan"], fwd["scan"]), "x")])
+                      fmt(ratio(rev["scan"], fwd["scan"]), "x"),
+                      fmt(fwd["floor"], "us"), fmt(rev["floor"], "us"),
+                      fmt(fwd["scan"] - fwd["floor"], "us"),
+                      fmt(rev["scan"] - rev["floor"], "us")])
     if rows:
         print_table(f"heat equation, {S} steps, {placed}: run and gradient (ms), max over ranks of "
                     f"the median of {args.repeat} interleaved calls; err: distop against "
@@ -472,9 +505,12 @@ def print_tables(results, args):
                      "grad/hand", "jax run", "jax grad", "err"], rows)
         print_table(f"heat equation in a scan, {placed}, per step (us), from {split[0]} "
                     f"and {split[1]} steps: the forward step (run), the reverse step "
-                    "(gradient less forward), and the gradient's step",
+                    "(gradient less forward), and the gradient's step; floor: the same "
+                    "loop in plain JAX with a no-op FFI call on the edge rows in place of "
+                    "the exchange (no distop, no messages), and distop beyond it",
                     ["P", "n", "hand fwd", "fwd", "fwd-hand", "hand rev", "rev", "rev-hand",
-                     "hand grad", "grad", "grad/hand", "rev/fwd"], steps)
+                     "hand grad", "grad", "grad/hand", "rev/fwd", "floor fwd", "floor rev",
+                     "fwd-floor", "rev-floor"], steps)
     collectives = loop_collectives.rows(results, fmt, ratio)
     if collectives:
         print_table(f"built-in reductions, once per step of {S} in a scan, n = "

@@ -6,7 +6,7 @@ for the reverse loop, on a 96 x 96 grid in one process, at several step counts.
 
 Variants, each the same JAX code but for what `max(u)` passes through:
 - `plain`: nothing;
-- `ffi`: a no-op XLA FFI call (a ctypes handler that copies its scalar), in a
+- `ffi`: a no-op XLA FFI call (a ctypes handler that copies its operand), in a
   `jax.custom_vjp` whose backward pass makes the same call: no distop code at all;
 - `distop`: `distop.Allreduce(op="max")` in a `Problem`, its gradient by
   `compute_totals`.
@@ -23,17 +23,18 @@ import time
 import numpy as np
 
 STEP = 0.1
-TARGET = "distop_bench_scalar_copy"
+TARGET = "distop_bench_copy"
 
 
 def ffi_identity():
-    """**Returns:** a differentiable identity on scalars made of a no-op FFI call (the
-    handler registered with XLA as distop registers its own, copying its operand)."""
+    """**Returns:** a differentiable identity made of a no-op FFI call (the handler
+    registered with XLA as distop registers its own, copying its operand's bytes), whose
+    VJP makes the same call on the cotangent."""
     import jax
     import jax.numpy as jnp
 
     from distop._hostcalls import ffi
-    from distop._hostcalls.xla_ffi import EXECUTE, METADATA, Buffer, CallFrame
+    from distop._hostcalls.xla_ffi import DTYPES, EXECUTE, METADATA, Buffer, CallFrame
 
     data = Buffer.data.offset
 
@@ -44,9 +45,13 @@ def ffi_identity():
             ffi._answer(frame_pointer, extension)  # (the check distop makes too)
             return None
         if frame.stage == EXECUTE:
-            source = C.c_void_p.from_address(frame.args.values[0] + data).value
-            target = C.c_void_p.from_address(frame.rets.values[0] + data).value
-            C.c_double.from_address(target).value = C.c_double.from_address(source).value
+            given, made = frame.args.values[0], frame.rets.values[0]
+            b = Buffer.from_address(made)
+            size = np.dtype(DTYPES[b.dtype]).itemsize
+            for i in range(b.rank):
+                size *= b.dims[i]
+            C.memmove(C.c_void_p.from_address(made + data).value,
+                      C.c_void_p.from_address(given + data).value, size)
         return None
 
     ffi_identity.handler = C.CFUNCTYPE(C.c_void_p, C.POINTER(CallFrame))(handler)  # (kept)
@@ -56,7 +61,7 @@ def ffi_identity():
         platform="cpu")
 
     def call(x):
-        return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((), x.dtype))(x)
+        return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
     @jax.custom_vjp
     def identity(x):

@@ -105,6 +105,11 @@ def test_stencil_benchmark_prints_its_tables_with_exact_gradients():
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.split()[:2] == ["2", "12"] and line.split()[2] in ("scan", "python")]
     assert len(rows) == 2 and all(float(row[-1]) < 1e-12 for row in rows), proc.stdout
+    # the per-step split, with the floor: the same loop with a no-op FFI call, no distop
+    assert "floor fwd  floor rev  fwd-floor  rev-floor" in proc.stdout, proc.stdout
+    steps = [line.split() for line in proc.stdout.splitlines()
+             if line.split()[:2] == ["2", "12"] and line.split()[2] not in ("scan", "python")]
+    assert len(steps) == 1 and len(steps[0]) == 16, proc.stdout
     # the built-in reductions in a loop, against the same loop by hand
     assert "built-in reductions, once per step of 4 in a scan, n = 12, " in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines()

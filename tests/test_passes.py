@@ -9,9 +9,8 @@ from helpers import RowScale
 from jax.extend.core import jaxpr_as_fun
 
 from distop._compiler import pipeline
-from distop._compiler.jaxprs import lean_calls
+from distop._compiler.jaxprs import chained, lean_calls
 from distop._compiler.passes import base, fold, fuse, identity, rows, unused
-from distop._hostcalls import ffi as _ffi
 from distop._hostcalls import sessions as _sessions
 from distop._hostcalls.fused import FusedCall
 
@@ -134,7 +133,7 @@ def test_unused_forward_calls_are_dropped():
     proposal = step.analyse(closed, base.Context())
     assert proposal == (0,)  # the forward call: a reverse sweep reads x, not y
     done = step.apply(closed, step.merge([proposal]))
-    assert [c.phase for c in lean_calls(done.jaxpr)] == ["vjp"] and _ffi.chained(done)
+    assert [c.phase for c in lean_calls(done.jaxpr)] == ["vjp"] and chained(done)
     same(run(done, X), run(closed, X))
     assert step.analyse(closed, base.Context(allowed=frozenset())) == ()
     # a forward program returns what its call makes

@@ -5,4 +5,6 @@
 
 May import `_operators`, `_hostcalls` and everything below them (not `_collectives`).
 Inside, `jaxprs` sits below `stages`, `stages` below `passes`, and the rest above them.
+`jaxprs` imports only `_hostcalls` and what lies below it, and sits below `_inference`
+too, which walks a traced model with it.
 """

@@ -41,6 +41,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from .._errors import DistopError
 from .._hostcalls import ffi as _ffi
+from .jaxprs import chained
 from .passes import fold, fuse, identity, rows, unused
 from .passes.base import Context, Pass
 from .stages import loops, nested, segments
@@ -205,7 +206,7 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
     program takes the `io_callback` path); `found` itself where nothing changes it.
     """
     context = None
-    if found is not None and _ffi.chained(found.closed):
+    if found is not None and chained(found.closed):
         invars = found.closed.jaxpr.invars
         first = len(invars) - len(specs)
         context = Context(tuple(first + i for i in unit_seeds), fuse)
@@ -244,7 +245,7 @@ def lean_program(name: str, found: Found | None, *, exchange: Exchange,
         for step, decision in zip(shared, decisions):
             if not step.optimistic:
                 program = step.apply(program, decision)
-        if not _ffi.chained(program):
+        if not chained(program):
             raise DistopError("the rewritten program is not one chain")
         return compiled(found, program, inputs, specs)
 

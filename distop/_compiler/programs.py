@@ -26,7 +26,7 @@ from .._safety import checking as _checking
 from .._safety import watchdog as _watchdog
 from . import pipeline
 from . import schedule as _schedule
-from .jaxprs import lean_calls
+from .jaxprs import anywhere, chained, lean_calls
 from .layout import Layout, TracingInputs, seeds, tangent_seeds, unit_seeds
 from .packing import pack, unpack_plan
 from .schedule import ScheduleEntry
@@ -375,7 +375,7 @@ class Programs:
             closed = fn.trace(token, layout.inputs, *specs).jaxpr
             if not lean:
                 return _schedule.refuse_checkpoint(closed), True
-            if _ffi.chained(closed):
+            if chained(closed):
                 return closed, True
             # calls inside the model's own loops and branches, or jvp calls (forward
             # mode), which read the token but do not move it on: the token threaded
@@ -421,7 +421,7 @@ def may_make_agreement(jaxpr: ClosedJaxpr, calls: Sequence[Any]) -> bool:
     **Returns:** whether it may.
     """
     return bool(calls) and not jaxpr.jaxpr.effects \
-        and not _ffi.anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
+        and not anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
         and not nested.nested(jaxpr.jaxpr)
 
 

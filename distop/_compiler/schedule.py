@@ -14,9 +14,9 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from .._errors import DistopError, ScheduleMismatchError
-from .._hostcalls.ffi import CHECKPOINTS
 from .._hostcalls.fused import FusedCall
 from .._hostcalls.host import HostCall
+from .jaxprs import CHECKPOINTS
 
 
 @dataclasses.dataclass(frozen=True)

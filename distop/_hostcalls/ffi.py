@@ -16,13 +16,11 @@ import ctypes as C
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, JaxprEqn
 
-from .._compat import scan_consts, x64_enabled
+from .._compat import x64_enabled
 from .._errors import DistopError
 from . import xla_ffi as _xla_ffi
 from .base import HostCallable
@@ -335,71 +333,3 @@ def token_dtype() -> np.dtype:
     """The token's dtype: float64, or float32 where JAX is in 32-bit mode (a program
     takes no float64 input then)."""
     return np.dtype(np.float64 if x64_enabled() else np.float32)
-
-
-def chained(closed_jaxpr: ClosedJaxpr) -> bool:
-    """Whether the lean calls of a traced program form ONE unbroken token chain.
-
-    The chain starts at the program's first input, passes every lean call in program
-    order (each takes the previous one's token) and ends at the program's last output.
-    A loop, branch or checkpoint with lean calls inside is a link of the chain where the
-    token was threaded through it (see `link`). Then XLA must run the calls one at a
-    time, in that order, and keep every one. Anything else (a loop whose calls the token
-    does not reach, a token that skipped a call) fails.
-    """
-    jaxpr = closed_jaxpr.jaxpr
-    token = jaxpr.invars[0]
-    for eqn in jaxpr.eqns:
-        call = eqn.params.get("call")
-        if getattr(call, "lean", False):
-            if eqn.invars[0] is not token:
-                return False
-            token = eqn.outvars[0]
-        elif has_lean(eqn):
-            slots = link(eqn)
-            if slots is None or eqn.invars[slots[0]] is not token:
-                return False
-            token = eqn.outvars[slots[1]]
-    return jaxpr.outvars[-1] is token
-
-
-CHECKPOINTS = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, by version
-
-
-def link(eqn: JaxprEqn) -> tuple[int, int] | None:
-    """Where a loop, branch or checkpoint takes and gives the token once it is threaded
-    through (see `_compiler/stages/nested.py`): the token is its first carried value (a scan, a
-    while loop), its first operand after the index (a branch) or its first argument (a
-    checkpoint), and its first result.
-
-    **Returns:** (argument position, result position), or None for any other equation.
-    """
-    name = eqn.primitive.name
-    if name == "scan":
-        return scan_consts(eqn.params), 0
-    if name == "while":
-        return eqn.params["cond_nconsts"] + eqn.params["body_nconsts"], 0
-    if name == "cond":
-        return 1, 0
-    if name in CHECKPOINTS:
-        return 0, 0
-    return None
-
-
-def has_lean(eqn: JaxprEqn) -> bool:
-    """Whether a lean call sits inside `eqn` (a loop, branch or call of its own)."""
-    return anywhere(inner_eqns(eqn), lambda e: getattr(e.params.get("call"), "lean", False))
-
-
-def anywhere(eqns: Iterable[JaxprEqn], test: Callable[[JaxprEqn], bool]) -> bool:
-    """Whether `test(eqn)` holds for one of `eqns` or an equation inside one of them."""
-    return any(test(e) or anywhere(inner_eqns(e), test) for e in eqns)
-
-
-def inner_eqns(eqn: JaxprEqn) -> Iterator[JaxprEqn]:
-    """The equations of the programs inside `eqn` (a loop's body, a branch's cases)."""
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner: Any = getattr(sub, "jaxpr", sub)  # (a Jaxpr, ClosedJaxpr, or else)
-            if hasattr(inner, "eqns"):
-                yield from inner.eqns

@@ -2,4 +2,4 @@
 jaxpr (`analysis`), the function run again with `vary` at the places it finds (`emit`),
 and the public transform with the constants' agreement (`transform`).
 
-May import `_collectives` and everything below it."""
+May import `_collectives`, `_compiler.jaxprs` and everything below them."""

@@ -20,9 +20,9 @@ import numpy as np
 from .._agreement import comm as _comm
 from .._agreement.coordinator import stable_hash
 from .._collectives.basic import AllreduceSum
+from .._compiler.jaxprs import anywhere
 from .._errors import DistopError, KindError
 from .._hostcalls import sessions as _sessions
-from .._hostcalls.ffi import anywhere
 from .._operators.kinds import inferring
 from .analysis import REPLICATED, VARYING, Info, analyse_function, inner_constants
 from .emit import emit

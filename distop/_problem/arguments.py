@@ -1,5 +1,13 @@
-"""The checks of a Problem's arguments, the same for every entry point."""
+"""The checks of a Problem's arguments, the same for every entry point.
 
+Besides the Problem's own, they check the names of `of` and `wrt`, the options of
+`compute_totals` (`check_totals_options`) and those of `check_totals` and `check_hvp`
+(`check_comparison_options`, `check_complex_step`). `request_key` gives the key under
+which the ranks compare an argument in a request.
+"""
+
+import math
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any
@@ -7,7 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._compiler.layout import Layout
 from .._dtypes import inexact_dtype as inexact
+from .._totals.differences import FORMS, METHODS
 from .inputs import as_input
 from .trees import Trees
 
@@ -72,6 +82,28 @@ def cache_size() -> int:
     return size
 
 
+def request_key(value: Any, names: bool = False) -> Any:
+    """An argument as the ranks compare it in a request: equal arguments give equal keys
+    on every rank (`1e-6` and `np.float64(1e-6)`; `"batched"` and `np.str_("batched")`;
+    with `names`, `"f"`, `["f"]` and `("f",)`), and every key can be hashed. The argument
+    itself is checked after the agreement, so that a bad one is an error on every rank."""
+    if isinstance(value, str):
+        return (str(value),) if names else str(value)
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        try:
+            return float(value)
+        except (OverflowError, ValueError, TypeError):
+            pass
+    elif names and isinstance(value, (list, tuple, set, frozenset)) and all(
+            isinstance(v, str) for v in value):
+        # (a set's order differs between processes: Python salts string hashes)
+        ordered = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return tuple(map(str, ordered))
+    return repr(value)
+
+
 def check_names(method: str, arg: str, names: Any, known: tuple,
                 differentiable: tuple) -> tuple:
     """**Returns:** the names an `of` or `wrt` argument asks for, checked.
@@ -132,6 +164,39 @@ def check_totals_options(method: str, mode: str, return_format: str, direction: 
     if direction not in DIRECTIONS:
         raise ValueError(f"{method}(direction={direction!r}): expected one of "
                          f"{list(DIRECTIONS)}.")
+
+
+def check_comparison_options(method: str, form: str, step: float | None,
+                             atol: float, rtol: float) -> tuple[float | None, float, float]:
+    """**Returns:** `check_totals`'s `step` (None: the default, see `default_step`),
+    `atol` and `rtol` as floats, checked with its `method` and `form`."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"check_totals(method={method!r}): expected 'fd' (finite "
+                         "differences) or 'cs' (complex step).")
+    if not isinstance(form, str) or form not in FORMS:
+        raise ValueError(f"check_totals(form={form!r}): expected one of {list(FORMS)}.")
+    for name, value, least in (("step", step, 0), ("atol", atol, None), ("rtol", rtol, None)):
+        if name == "step" and value is None:
+            continue
+        if not (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+                and math.isfinite(value) and (value > 0 if least == 0 else value >= 0)):
+            raise ValueError(f"check_totals({name}={value!r}): expected a "
+                             f"{'positive' if least == 0 else 'non-negative'} number.")
+    return (None if step is None else float(step)), float(atol), float(rtol)  # (a Fraction)
+
+
+def check_complex_step(layout: Layout, of: tuple[str, ...], wrt: tuple[str, ...]) -> None:
+    """Refuse `check_totals(method="cs")` of complex inputs or outputs: the complex
+    step perturbs real values along the imaginary axis, and reads the derivative off
+    the imaginary part of real outputs."""
+    for kind, names, specs in (("input", wrt, layout.inputs), ("output", of, layout.outputs)):
+        found = [n for n in names if np.issubdtype(specs[n].dtype, np.complexfloating)]
+        if found:
+            raise ValueError(
+                f"check_totals(method='cs'): {kind}s {found} are complex; the complex step "
+                "perturbs real inputs along the imaginary axis and reads real outputs' "
+                f"imaginary parts. Leave them out ({'wrt' if kind == 'input' else 'of'}"
+                "=...) or use method='fd'.")
 
 
 def check_scalar(method: str, of: Any, out: str, shape: tuple, distributed: frozenset) -> None:

@@ -16,7 +16,15 @@ from .._compiler.programs import Program
 from .._compiler.tracing import FDOptions, HvpOptions, TotalsOptions
 from .._totals import assembly as _assembly
 from .._totals import totals as _totals
-from .arguments import check_names, check_scalar, check_totals_options, hvp_request
+from .arguments import (
+    check_comparison_options,
+    check_complex_step,
+    check_names,
+    check_scalar,
+    check_totals_options,
+    hvp_request,
+    request_key,
+)
 from .calls import Call, Calls
 from .trees import Trees
 
@@ -126,7 +134,7 @@ class Entries:
         method = "compute_hvp"
         if not isinstance(of, str):
             raise TypeError(f"{method}(of={of!r}): expected the name of one scalar output.")
-        key = _totals.request_key
+        key = request_key
         names, tangents, count, refused = hvp_request(method, wrt, tangent, self.trees,
                                                       self.input_names, point)
         count_key = count if count is not None or refused is None else "refused"
@@ -156,7 +164,7 @@ class Entries:
                 refused: BaseException | None = None) -> Request:
         """Agree on a request for totals at `point` as part of `call` and check its
         arguments (`current`: the point taken where this rank refuses the call)."""
-        key = _totals.request_key
+        key = request_key
         request = (method, key(of, names=True), key(wrt, names=True), key(mode),
                    key(return_format), key(direction))
         layout = call.agree(point, request, refused, current)
@@ -177,17 +185,17 @@ class Entries:
                      ) -> dict[tuple[str, str], _totals.TotalsCheck]:
         """`Problem.check_totals` at `point`; `evaluate(layout, perturbed)` makes its
         `Evaluations`, `reporting`: its reporting options."""
-        key = _totals.request_key
+        key = request_key
         layout = self.calls.agreed(point, (
             "check_totals", key(of, names=True), key(wrt, names=True), key(method),
             key(form), key(step), key(atol), key(rtol)))
-        step, atol, rtol = _totals.check_options(method, form, step, atol, rtol)
+        step, atol, rtol = check_comparison_options(method, form, step, atol, rtol)
         of = check_names("check_totals", "of", of, self.output_names,
                          layout.differentiable["outputs"])
         wrt = check_names("check_totals", "wrt", self.trees.expand(wrt), self.input_names,
                           layout.differentiable["inputs"])
         if method == "cs":
-            _totals.check_complex_step(layout, of, wrt)
+            check_complex_step(layout, of, wrt)
         programs, executor = self.calls.programs, self.calls.executor
 
         def perturbed(options: FDOptions, deltas: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -206,11 +214,11 @@ class Entries:
         of `out` at the point moved by `moved`; `products`: `Problem.compute_hvp`;
         `restore(inputs)`: runs the model at the inputs given, to leave the point as it
         was."""
-        key = _totals.request_key
+        key = request_key
         layout = self.calls.agreed(point, (
             "check_hvp", key(of, names=True), key(wrt, names=True), key(directions),
             key(seed), key(step), key(atol), key(rtol)))
-        step, atol, rtol = _totals.check_options("fd", "central", step, atol, rtol)
+        step, atol, rtol = check_comparison_options("fd", "central", step, atol, rtol)
         if not isinstance(directions, int) or directions < 1:
             raise ValueError(f"check_hvp(directions={directions!r}): expected a whole "
                              "number of directions, at least 1.")

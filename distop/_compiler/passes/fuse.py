@@ -167,7 +167,7 @@ def fuse(closed_jaxpr: ClosedJaxpr, primitive: Primitive,
 
     **Arguments:**
     - `closed_jaxpr`: a traced program whose lean calls form one chain at top level (as
-      checked by `_ffi.chained`).
+      checked by `jaxprs.chained`).
     - `primitive`: the host-call primitive to bind for fused calls.
     - `allowed`: per lean call in chain order, whether it may join the call before it
       (None: wherever it can). What a call reads can depend on the rank's block sizes

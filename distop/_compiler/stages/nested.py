@@ -30,8 +30,8 @@ from jax.extend.core.primitives import convert_element_type_p
 from ..._compat import ShapedArray, no_effects, scan_carrying_one_more, scan_consts
 from ..._errors import DistopError
 from ..._hostcalls.base import HostCallable
-from ..._hostcalls.ffi import CHECKPOINTS, anywhere, has_lean, inner_eqns, token_dtype
-from ..jaxprs import is_lean, shaped
+from ..._hostcalls.ffi import token_dtype
+from ..jaxprs import CHECKPOINTS, anywhere, has_lean, inner_eqns, is_lean, shaped
 
 # the primitives a nested call may sit in whose bodies are inlined (newer JAX binds a
 # call, and a checkpoint that is not differentiated, as eval_jaxpr)

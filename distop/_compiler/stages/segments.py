@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
-from ..._hostcalls.ffi import has_lean
-from ..jaxprs import is_lean, pieces, shaped
+from ..jaxprs import has_lean, is_lean, pieces, shaped
 
 SEGMENT = 64  # host calls per segment of a long chain
 

@@ -96,7 +96,7 @@ class _Route:
     - `rank`: this rank (its own rows are copied, not sent).
     """
 
-    __slots__ = ("own", "receives", "sends")
+    __slots__ = ("disjoint", "own", "receives", "sends")
 
     def __init__(self, sends: list[tuple[int, np.ndarray, bool]],
                  places: list[tuple[int, np.ndarray, bool]], rank: int) -> None:
@@ -106,6 +106,12 @@ class _Route:
         mine = [picks for q, picks, _ in sends if q == rank]
         self.own = [(_span(mine[0]), _span(where), distinct)
                     for p, where, distinct in places if p == rank and mine]
+        # whether every place receives one row at most, in consecutive runs: then adding
+        # into zeros is placing, and rows received in order land in their places directly
+        spans = [where for _, where, _, _ in self.receives] + [w for _, w, _ in self.own]
+        taken = sorted((w.start, w.stop) for w in spans if type(w) is slice)
+        self.disjoint = len(taken) == len(spans) and all(
+            stop <= start for (_, stop), (start, _) in zip(taken, taken[1:]))
 
 
 def _span(where: np.ndarray) -> slice | np.ndarray:
@@ -246,8 +252,12 @@ class HaloExchange(DistributedOperator):
         w, block_rows = int(self.width), self.block_rows
         # the transpose of the forward's exchange: halo places back to owners' rows
         if block_rows is not None:
-            x_bar = np.zeros((edge_rows(int(block_rows), w),) + window.shape[1:], window.dtype)
-            _exchange(comm, window, _plan(self, comm, int(block_rows)).backward, 0, into=x_bar)
+            route = _plan(self, comm, int(block_rows)).backward
+            length = edge_rows(int(block_rows), w)
+            if route.disjoint:  # (each edge row's cotangent comes from one place at most)
+                return _batch_first(_exchange(comm, window, route, length), batched)
+            x_bar = np.zeros((length,) + window.shape[1:], window.dtype)
+            _exchange(comm, window, route, 0, into=x_bar)
             return _batch_first(x_bar, batched)
         n = window.shape[0] - 2 * w
         halo_bar = np.concatenate([window[:w], window[w + n:]])

@@ -337,11 +337,11 @@ def without_loops(make):
 
 def loops_since(before):
     """**Returns:** the `RolledCall`s of the lean call sites registered since `before`
-    (a set of call ids: `set(distop._hostcalls.ffi._calls)`)."""
+    (a set of call ids: `set(distop._hostcalls.ffi._sites)`)."""
     from distop._hostcalls import ffi as _ffi
     from distop._hostcalls.rolled import RolledCall
 
-    return [c for k, c in _ffi._calls.items()
+    return [c for k, c in _ffi._sites.items()
             if k not in before and isinstance(c, RolledCall)]
 
 

@@ -139,4 +139,4 @@ def test_compute_hvp_through_an_operator_inside_lax_scan():
         program = next(p for k, p in problem._programs.programs.items()
                        if k[0] == "compute_hvp")
         # (on the lean path its calls are on the token chain, counted per run)
-        assert (program.calls != 0) == (backend == "lean")
+        assert (program.n_calls != 0) == (backend == "lean")

@@ -262,7 +262,7 @@ def test_a_call_reading_every_step_of_a_python_loop_reads_slices_of_its_stacks()
         J = problem.compute_totals()
     finally:
         loops.rolled = rolled
-    unstacked = [c for found in made if found for c in found.calls
+    unstacked = [c for found in made if found for c in found.host_calls
                  if type(c).__name__ == "UnstackedCall"]
     assert unstacked, made
     slices = [e for found in made if found for e in found.program.jaxpr.eqns

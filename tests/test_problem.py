@@ -303,7 +303,7 @@ def test_fusion_runs_a_chain_with_nothing_between_its_calls_in_one_host_call():
     assert all(e.lean for e in fused.schedule)
     assert [e.group for e in plain.schedule] == list(range(10))
     assert fused.run()["f"] == plain.run()["f"]
-    assert _programs(fused)["compute_totals"].calls == 2 and _programs(fused)["run"].calls == 1
+    assert _programs(fused)["compute_totals"].n_calls == 2 and _programs(fused)["run"].n_calls == 1
     np.testing.assert_array_equal(fused.compute_totals()["f", "x"],
                                   plain.compute_totals()["f", "x"])
     a = ops[0].A.toarray()
@@ -336,7 +336,7 @@ def test_a_long_chain_runs_in_segments_exactly_once_per_call(monkeypatch):
     f = problem.run()["f"]
     assert log == list(range(n))  # every call once, in order, through the segments
     programs = _programs(problem)
-    assert programs["run"].calls == n and programs["compute_totals"].calls == 2 * n
+    assert programs["run"].n_calls == n and programs["compute_totals"].n_calls == 2 * n
     spec = {"x": jax.ShapeDtypeStruct((2,), np.float64)}
     jaxpr = programs["run"].fn.trace(jax.ShapeDtypeStruct((), np.float64), spec).jaxpr
     assert sum(e.primitive.name == "cond" for e in jaxpr.eqns) == 3
@@ -396,7 +396,7 @@ def test_a_repeated_stretch_runs_as_one_loop_exactly_once_per_call_in_order():
     assert log == ([("forward", i) for i in range(n)]
                    + [("vjp", i) for i in reversed(range(n))])
     programs = _programs(problem)
-    assert programs["run"].calls == n and programs["compute_totals"].calls == 2 * n
+    assert programs["run"].n_calls == n and programs["compute_totals"].n_calls == 2 * n
     # one loop for the values; one forward and one reverse for the totals
     assert len(_loops(problem, "run")) == 1 and len(_loops(problem, "compute_totals")) == 2
     np.testing.assert_allclose(f, np.sum(_chain_reference(x0, n) ** 2), rtol=1e-12)
@@ -463,7 +463,7 @@ def test_loops_among_more_calls_than_one_segment_holds():
     problem, values, totals = make()
     _, flat_values, flat_totals = without_loops(make)
     assert len(_loops(problem, "run")) >= 10
-    assert _programs(problem)["run"].calls == 10 * (8 + 16)
+    assert _programs(problem)["run"].n_calls == 10 * (8 + 16)
     np.testing.assert_allclose(values["f"], flat_values["f"], rtol=1e-13)
     np.testing.assert_allclose(totals["f", "x"], flat_totals["f", "x"], rtol=1e-13)
 
@@ -477,7 +477,7 @@ def test_loops_release_their_call_sites_with_the_program():
     log = []
     ops = [_Logged(i, log, ordered=True) for i in range(loops.REPEATS + 2)]
     problem = distop.Problem(_chain_model(ops, jnp.sin), {"x": np.array([0.3, -0.2])})
-    before = set(_ffi._calls)
+    before = set(_ffi._sites)
     problem.compute_totals()
     assert any(c.members[0].op is ops[0] for c in loops_since(before))
     del problem
@@ -489,7 +489,7 @@ def test_a_program_that_skips_a_host_call_raises():
     op = dm.DistributedMatvec(dm.setup(4, 1)[0], ordered=True)
     problem = distop.Problem(lambda x: {"f": jnp.sum(op(x))}, {"x": np.ones(4)})
     problem.run()
-    _programs(problem)["run"].calls += 1  # what a dropped call would look like
+    _programs(problem)["run"].n_calls += 1  # what a dropped call would look like
     with pytest.raises(distop.DistopError, match="made 1.0 host calls instead of 2"):
         problem.run()
 
@@ -1340,7 +1340,7 @@ def test_the_token_count_restarts_before_it_could_lose_exactness(monkeypatch):
     seen = []
     for _ in range(12):
         assert p.run()["s"] == 2.0
-        seen.append(p._executor.calls)
+        seen.append(p._executor.token_value)
     assert max(seen) == 4 and seen.count(0) == 2, seen
 
 
@@ -1428,13 +1428,13 @@ def test_the_programs_of_the_least_recently_used_shapes_are_let_go(monkeypatch):
     monkeypatch.setenv("DISTOP_CACHE_SIZE", "2")
     op = Cube(ordered=True)
     problem = distop.Problem(lambda x: {"s": jnp.sum(op(x))}, {"x": np.ones(1)})
-    before = len(distop._hostcalls.ffi._calls)
+    before = len(distop._hostcalls.ffi._sites)
     for n in [2, 3, 4, 5, 6, 2, 7, 8]:
         assert problem.run(x=np.ones(n))["s"] == n
         np.testing.assert_array_equal(problem.compute_totals()["s", "x"], np.full((1, n), 3.0))
         assert len(problem._programs.layouts) <= 2
     gc.collect()
-    assert len(distop._hostcalls.ffi._calls) - before <= 2 * 3  # (run, totals: their call sites)
+    assert len(distop._hostcalls.ffi._sites) - before <= 2 * 3  # (run, totals: their call sites)
     monkeypatch.setenv("DISTOP_CACHE_SIZE", "0")
     with pytest.raises(ValueError, match="DISTOP_CACHE_SIZE='0': expected a whole number"):
         distop.Problem(lambda x: {"s": jnp.sum(x)}, {"x": np.ones(1)})

@@ -34,10 +34,10 @@ def test_the_mirror_fits_what_the_running_jaxlib_reports():
         # except the API table, of which the mirror holds a prefix.
         sizes = {**found.sizes, "XLA_FFI_Api": _xla_ffi.SIZES["XLA_FFI_Api"]}
         assert sizes == _xla_ffi.SIZES
-    before = set(_ffi._calls)
+    before = set(_ffi._sites)
     problem = _cube_problem("lean")  # (its call sites live as long as it does)
     assert problem.run()["f"] == 9.0
-    assert set(_ffi._calls) - before  # (the program ran its host call on the lean path)
+    assert set(_ffi._sites) - before  # (the program ran its host call on the lean path)
 
 
 @pytest.mark.parametrize("ours", [(1, 0), (0, 99)], ids=["major", "minor"])

@@ -296,7 +296,7 @@ def compiled(found: LeanProgram, program: ClosedJaxpr, inputs: Mapping[str, Any]
         return found
     fn = function(run or jaxpr_as_fun(runnable))
     if looped is not None:  # the loops' call sites live as long as the program
-        weakref.finalize(fn, _ffi.release, looped.calls)
+        weakref.finalize(fn, _ffi.release, looped.host_calls)
     fn.trace(jax.ShapeDtypeStruct((), _ffi.token_dtype()), inputs, *specs)
     return LeanProgram(fn, found.outputs, program)
 

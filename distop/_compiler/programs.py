@@ -38,14 +38,14 @@ class Traced(NamedTuple):
     """An entry point's program as `Programs.trace` makes it.
 
     Fields: `fn` (the jitted function), `outputs` (name -> (shape, dtype) of its results
-    before packing), `closed` (the program before segments: its schedule), `calls` (the
-    lean calls as traced, in chain order, or None: see `_schedule.extract`).
+    before packing), `closed` (the program before segments: its schedule), `host_calls`
+    (the lean calls as traced, in chain order, or None: see `_schedule.extract`).
     """
 
     fn: Callable[..., Any]
     outputs: pipeline.Outputs
     closed: ClosedJaxpr
-    calls: tuple[HostCall, ...] | None
+    host_calls: tuple[HostCall, ...] | None
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ class Program:
     checker: _checking.Checker | None = None
     # lean host calls per run, each adding one to the token; None where the values
     # decide (a while loop, branches making different numbers of calls)
-    calls: int | None = 0
+    n_calls: int | None = 0
     # where its first host call may make the agreement of the call (see `CallAgreement`):
     # what its host calls share while it runs; else None
     gate: Gate | None = None
@@ -281,15 +281,16 @@ class Programs:
                                        _schedule.extract(jaxpr, traced))
         checker = (_comm.checker(self.comm) if settings.check_collectives
                    and self.comm.Get_size() > 1 else None)
-        calls = nested.calls(jaxpr.jaxpr)
-        gate = Gate() if checker is None and may_make_agreement(jaxpr, calls) else None
-        for call in calls:
+        host_calls = nested.host_calls(jaxpr.jaxpr)
+        gate = (Gate() if checker is None and may_make_agreement(jaxpr, host_calls)
+                else None)
+        for call in host_calls:
             call.gate = gate
         found = self.programs[key] = Program(fn, schedule, outputs, extra_maker, checker,
                                               nested.count(jaxpr.jaxpr), gate,
                                               _entry_name(name, options))
         # the lean call sites live as long as the program
-        weakref.finalize(found, _ffi.release, calls)
+        weakref.finalize(found, _ffi.release, host_calls)
         return found
 
     def _arguments_after(self, options: Options, layout: Layout,
@@ -346,9 +347,9 @@ class Programs:
                 assert found is not None  # (a lean program is made of what was traced)
                 if nested.nested(found.closed.jaxpr):  # (compiled as traced: all made)
                     return Traced(*lean, None)
-                calls = lean_calls(found.closed.jaxpr)
-                traced = tuple(c for c in calls if isinstance(c, HostCall))
-                assert len(traced) == len(calls)  # (as traced: none fused or rolled)
+                host_calls = lean_calls(found.closed.jaxpr)
+                traced = tuple(c for c in host_calls if isinstance(c, HostCall))
+                assert len(traced) == len(host_calls)  # (as traced: none fused or rolled)
                 return Traced(*lean, traced)
         return Traced(*self._trace_with(name, options, layout, specs, vectorize, False), None)
 
@@ -405,7 +406,7 @@ def collector_paused() -> Iterator[None]:
 BLOCKS_AGREEMENT = ("while", "pure_callback", "ffi_call")  # (see `Program.makes_agreement`)
 
 
-def may_make_agreement(jaxpr: ClosedJaxpr, calls: Sequence[Any]) -> bool:
+def may_make_agreement(jaxpr: ClosedJaxpr, host_calls: Sequence[Any]) -> bool:
     """Whether a program's first host call may make the agreement (see `CallAgreement`).
 
     It may where nothing else in the program runs host code (a callback or FFI call of
@@ -416,11 +417,11 @@ def may_make_agreement(jaxpr: ClosedJaxpr, calls: Sequence[Any]) -> bool:
 
     **Arguments:**
     - `jaxpr`: the program.
-    - `calls`: its lean host calls.
+    - `host_calls`: its lean host calls.
 
     **Returns:** whether it may.
     """
-    return bool(calls) and not jaxpr.jaxpr.effects \
+    return bool(host_calls) and not jaxpr.jaxpr.effects \
         and not anywhere(jaxpr.jaxpr.eqns, blocks_agreement) \
         and not nested.nested(jaxpr.jaxpr)
 

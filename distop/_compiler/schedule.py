@@ -154,14 +154,14 @@ def _with_unmade(found: Sequence[Found], traced: Sequence[HostCall]) -> list[Row
 
 
 def _walk(jaxpr: Jaxpr | ClosedJaxpr, context: str, found: list[Found],
-          calls: list[int]) -> None:
+          count: list[int]) -> None:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         call = eqn.params.get("call")
         if isinstance(call, (HostCall, FusedCall)):
             for member in call.members if isinstance(call, FusedCall) else (call,):
-                found.append((member, context, calls[0]))
-            calls[0] += 1
+                found.append((member, context, count[0]))
+            count[0] += 1
             continue
         name = eqn.primitive.name
         if name == "scan":
@@ -179,7 +179,7 @@ def _walk(jaxpr: Jaxpr | ClosedJaxpr, context: str, found: list[Found],
             for k, j in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
                 if hasattr(getattr(j, "jaxpr", j), "eqns"):
                     where = f"{sub}.branch{k}" if name == "cond" else sub
-                    _walk(j, where, found, calls)
+                    _walk(j, where, found, count)
 
 
 def _entry(index: int, call: HostCall, context: str, group: int,

@@ -79,7 +79,7 @@ def build(model: Callable[..., Any], name: str, options: Options, layout: Any,
         assert isinstance(options, FDOptions)
         return _perturbed(model, options, batch)
     assert isinstance(options, TotalsOptions)
-    of_names, diff_names, direction = options.of, options.wrt, options.direction
+    of, wrt, direction = options.of, options.wrt, options.direction
     with_values = options.with_values
     mode = "loop" if options.mode == "batched" and not vectorize else options.mode
 
@@ -94,7 +94,7 @@ def build(model: Callable[..., Any], name: str, options: Options, layout: Any,
         return {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
 
     def totals(point: dict[str, Any], *packed: Any) -> dict[Any, Any]:
-        diff = {k: point[k] for k in diff_names}  # differentiate only what was asked for
+        diff = {k: point[k] for k in wrt}  # differentiate only what was asked for
         rest = {k: v for k, v in point.items() if k not in diff}
         order: list[str] = []  # the model's order of its outputs (jax.vjp's is sorted)
 
@@ -105,8 +105,8 @@ def build(model: Callable[..., Any], name: str, options: Options, layout: Any,
 
         if direction == "fwd":  # one sweep per entry of `wrt`: of name -> tangents
             values, linear = linearized(restricted, diff)
-            cts = sweeps(lambda t: {k: linear(t)[k] for k in of_names},
-                         dict(zip(diff_names, packed)))
+            cts = sweeps(lambda t: {k: linear(t)[k] for k in of},
+                         dict(zip(wrt, packed)))
         else:  # one sweep per entry of `of`: wrt name -> cotangents
             values, back = pullback(restricted, diff)
             cts = sweeps(lambda seed: back(seed)[0], split_seeds(packed, layout))

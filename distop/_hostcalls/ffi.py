@@ -40,7 +40,7 @@ from .xla_ffi import (
 
 TARGET = "distop_host_call"
 # call_id -> HostCall (FusedCall, RolledCall) of every live lean call site
-_calls: dict[int, HostCallable] = {}
+_sites: dict[int, HostCallable] = {}
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _registered = False
@@ -159,7 +159,7 @@ def _handler(frame_pointer: "C._Pointer[CallFrame]") -> int | None:
             return None
         scalar = Scalar.from_address(frame.attrs.attrs[0])
         call_id = C.c_int64.from_address(scalar.value).value
-        call = _calls[call_id]
+        call = _sites[call_id]
         arg_values, ret_values = frame.args.values, frame.rets.values
         plans = _plans.get(call_id)
         if plans is None:
@@ -311,16 +311,16 @@ def register(call: HostCallable) -> int:
             _register_target(TARGET)
             _registered = True
         call_id = next(_ids)
-        _calls[call_id] = call
+        _sites[call_id] = call
     return call_id
 
 
-def release(calls: Iterable[HostCallable]) -> None:
+def release(host_calls: Iterable[HostCallable]) -> None:
     """Forget the call sites of a program that is gone."""
     with _lock:
-        for call in calls:
+        for call in host_calls:
             if call.ffi_id is not None:  # (None: never lowered, so never registered)
-                _calls.pop(call.ffi_id, None)
+                _sites.pop(call.ffi_id, None)
                 _plans.pop(call.ffi_id, None)
 
 

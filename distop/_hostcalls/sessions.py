@@ -38,7 +38,7 @@ class _Values:
     def take(self) -> int:
         """**Returns:** a free value, which no other scope holds until it is given back."""
         with self._lock:
-            for value in [v for v, calls in self._kept.items() if not calls]:
+            for value in [v for v, host_calls in self._kept.items() if not host_calls]:
                 del self._kept[value]
                 heapq.heappush(self._free, value)
             if self._free:

@@ -50,11 +50,11 @@ class Step(NamedTuple):
 
 class Plan(NamedTuple):
     """The steps of one jaxpr, and whether any of them, at any depth, inserts `vary`
-    (`varies`) or holds an operator call (`calls`)."""
+    (`varies`) or holds an operator call (`has_calls`)."""
 
     steps: tuple[Step, ...]
     varies: bool
-    calls: bool
+    has_calls: bool
 
 
 CONSTANT = Info(REPLICATED)
@@ -124,15 +124,15 @@ def analyse(jaxpr: Jaxpr, ins: Sequence[Info], consts: Sequence[Info]) -> tuple[
         return CONSTANT if isinstance(atom, Literal) else env[atom]
 
     steps = []
-    varies = calls = False
+    varies = has_calls = False
     for eqn in jaxpr.eqns:
         infos = [read(v) for v in eqn.invars]
         outs, step, sub_calls = _equation(eqn, infos)
         env.update(zip(eqn.outvars, outs))
         steps.append(step)
         varies |= bool(step.vary) or any(p.varies for p in step.subs or ())
-        calls |= sub_calls
-    return [read(v) for v in jaxpr.outvars], Plan(tuple(steps), varies, calls)
+        has_calls |= sub_calls
+    return [read(v) for v in jaxpr.outvars], Plan(tuple(steps), varies, has_calls)
 
 
 def _equation(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]:
@@ -148,7 +148,7 @@ def _equation(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]
     if name in INLINED:
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         outs, plan = _closed(inner, infos)
-        return outs, Step(subs=(plan,) if plan.varies or plan.calls else None), plan.calls
+        return outs, Step(subs=(plan,) if plan.varies or plan.has_calls else None), plan.has_calls
     if name == "scan":
         return _scan(eqn, infos)
     if name == "while":
@@ -157,11 +157,11 @@ def _equation(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]
         branches = [_closed(b, infos[1:]) for b in eqn.params["branches"]]
         outs = [join(found) for found in zip(*(b[0] for b in branches))]
         plans = tuple(b[1] for b in branches)
-        busy = any(p.varies or p.calls for p in plans)
-        return outs, Step(subs=plans if busy else None), any(p.calls for p in plans)
+        busy = any(p.varies or p.has_calls for p in plans)
+        return outs, Step(subs=plans if busy else None), any(p.has_calls for p in plans)
     if name in ("remat2", "checkpoint"):
         outs, plan = analyse(eqn.params["jaxpr"], infos, ())
-        return outs, Step(subs=(plan,) if plan.varies or plan.calls else None), plan.calls
+        return outs, Step(subs=(plan,) if plan.varies or plan.has_calls else None), plan.has_calls
     # any other equation, as one operation (a cond on a varying index among them): a
     # varying operand makes every result varying, and its replicated live operands
     # places
@@ -232,8 +232,8 @@ def _scan(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]:
     if hoisted:
         consts = [Info(VARYING, c.live) if i in hoisted else c for i, c in enumerate(consts)]
         outs, plan, carry = _scan_fixed(body, consts, carry, xs)
-    busy = plan.varies or plan.calls
-    return outs, Step(vary=hoisted, subs=(plan,) if busy or hoisted else None), plan.calls
+    busy = plan.varies or plan.has_calls
+    return outs, Step(vary=hoisted, subs=(plan,) if busy or hoisted else None), plan.has_calls
 
 
 def _scan_fixed(body: ClosedJaxpr, consts: list[Info], carry: list[Info], xs: list[Info],
@@ -280,8 +280,8 @@ def _while(eqn: JaxprEqn, infos: list[Info]) -> tuple[list[Info], Step, bool]:
         carry = [Info(VARYING, c.live, c.source) for c in carry]
         outs, body_plan = _closed(p["body_jaxpr"], body_consts + carry)
     plans = (cond_plan, body_plan)
-    busy = any(q.varies or q.calls for q in plans)
-    return carry, Step(subs=plans if busy else None), any(q.calls for q in plans)
+    busy = any(q.varies or q.has_calls for q in plans)
+    return carry, Step(subs=plans if busy else None), any(q.has_calls for q in plans)
 
 
 def _inexact(atom: Any) -> bool:

@@ -90,12 +90,12 @@ class Entries:
                 mode, request.of, request.wrt, False, request.direction), request.layout)
             return Swept(request, program, call.run(program, point))
 
-        (layout, names, ins, way), program, cts = self.calls(attempt)
+        request, program, cts = self.calls(attempt)
         if program is None or cts is None:
             return {}
         check = check_ranks and _assembly.unchecked(program, return_format)
-        totals = _assembly.assembled(self.comm, layout, cts, names, ins, return_format,
-                                     way, check)
+        totals = _assembly.assembled(self.comm, request.layout, cts, request.of,
+                                     request.wrt, return_format, request.direction, check)
         if check_ranks:
             program.totals_checked.add(return_format)
         return totals
@@ -116,14 +116,15 @@ class Entries:
                     request.layout)
             return Swept(request, program, call.run(program, point))
 
-        (layout, names, ins, way), program, out = self.calls(attempt)
+        request, program, out = self.calls(attempt)
         assert program is not None and out is not None  # (always a program to run)
-        if not names or not ins:
+        if not request.of or not request.wrt:
             return out, {}
         values = {k: v for (kind, k), v in out.items() if kind == "value"}  # as run's
-        swept = names if way == "fwd" else ins
-        totals = _assembly.assembled(self.comm, layout, {k: out["total", k] for k in swept},
-                                     names, ins, return_format, way,
+        swept = request.of if request.direction == "fwd" else request.wrt
+        totals = _assembly.assembled(self.comm, request.layout,
+                                     {k: out["total", k] for k in swept}, request.of,
+                                     request.wrt, return_format, request.direction,
                                      _assembly.unchecked(program, return_format))
         program.totals_checked.add(return_format)
         return values, totals
@@ -135,24 +136,25 @@ class Entries:
         if not isinstance(of, str):
             raise TypeError(f"{method}(of={of!r}): expected the name of one scalar output.")
         key = request_key
-        names, tangents, count, refused = hvp_request(method, wrt, tangent, self.trees,
-                                                      self.input_names, point)
+        expanded, tangents, count, refused = hvp_request(method, wrt, tangent, self.trees,
+                                                         self.input_names, point)
         count_key = count if count is not None or refused is None else "refused"
 
         def attempt(call: Call) -> dict[str, Any]:
-            request = (method, key(of, names=True), key(names, names=True), key(count_key))
+            request = (method, key(of, names=True), key(expanded, names=True),
+                       key(count_key))
             layout = call.agree(point, request, refused, point)
-            ins = check_names(method, "wrt", names, self.input_names,
+            wrt = check_names(method, "wrt", expanded, self.input_names,
                               layout.differentiable["inputs"])
             (out,) = check_names(method, "of", of, self.output_names,
                                  layout.differentiable["outputs"])
             check_scalar(method, of, out, layout.outputs[out].shape, self.distributed)
-            program = call.program(method, HvpOptions(out, ins, count), layout,
+            program = call.program(method, HvpOptions(out, wrt, count), layout,
                                    make_extra=lambda: (tangents,))
             found = call.run(program, point, (tangents,))
             if _assembly.unchecked(program, "global"):
                 _assembly.check_replicated_totals(
-                    self.comm, layout, {(out, w): found[w] for w in ins}, "global")
+                    self.comm, layout, {(out, w): found[w] for w in wrt}, "global")
                 program.totals_checked.add("global")
             return found
 
@@ -210,7 +212,7 @@ class Entries:
                   gradient_at: Callable[..., Any], products: Callable[..., Any],
                   restore: Callable[[dict[str, Any]], Any], reporting: dict[str, Any],
                   ) -> dict[tuple[str, str], _totals.TotalsCheck]:
-        """`Problem.check_hvp` at `point`; `gradient_at(out, ins, moved)`: the gradient
+        """`Problem.check_hvp` at `point`; `gradient_at(out, wrt, moved)`: the gradient
         of `out` at the point moved by `moved`; `products`: `Problem.compute_hvp`;
         `restore(inputs)`: runs the model at the inputs given, to leave the point as it
         was."""
@@ -224,15 +226,15 @@ class Entries:
                              "number of directions, at least 1.")
         (out,) = check_names("check_hvp", "of", [of] if isinstance(of, str) else of,
                              self.output_names, layout.differentiable["outputs"])
-        ins = check_names("check_hvp", "wrt", self.trees.expand(wrt), self.input_names,
+        wrt = check_names("check_hvp", "wrt", self.trees.expand(wrt), self.input_names,
                           layout.differentiable["inputs"])
 
         def gradient(deltas: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return gradient_at(out, ins, {w: point[w] + deltas[w] for w in deltas})
+            return gradient_at(out, wrt, {w: point[w] + deltas[w] for w in deltas})
 
         evaluations = _totals.HvpEvaluations(self.comm, layout, point, products, gradient)
         try:
-            return _totals.check_hvp(evaluations, out, ins, directions=directions,
+            return _totals.check_hvp(evaluations, out, wrt, directions=directions,
                                      seed=seed, step=step, atol=atol, rtol=rtol, **reporting)
         finally:
-            restore({w: point[w] for w in ins})  # (the current point, as it was)
+            restore({w: point[w] for w in wrt})  # (the current point, as it was)

@@ -31,7 +31,7 @@ class Executor:
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.token = jnp.zeros((), _ffi.token_dtype())
-        self.calls = 0.0  # the token's value: lean host calls run so far
+        self.token_value = 0.0  # the token's value: lean host calls run so far
         self.on_device = DeviceCache()
 
     def __call__(self, program: Program, point: dict,
@@ -81,7 +81,7 @@ class Executor:
         if profile is not None:  # (the program has finished: its token is read)
             profile.program_ended(program.entry)
         self.token = token
-        if program.calls != 0:
+        if program.n_calls != 0:
             self._count(program, count)
         if program.checker is not None:
             # A rank whose program skipped a collective (rank-dependent control flow)
@@ -93,12 +93,13 @@ class Executor:
     def _count(self, program: Program, count: float) -> None:
         """Check that the token grew by the program's number of host calls, where it is
         known before the run."""
-        calls, self.calls = self.calls, count
-        if program.calls is not None and self.calls - calls != program.calls:
+        before, self.token_value = self.token_value, count
+        made = self.token_value - before
+        if program.n_calls is not None and made != program.n_calls:
             raise DistopError(
                 f"rank {self.comm.Get_rank()}: the program made "
-                f"{self.calls - calls} host calls instead of {program.calls}; "
+                f"{made} host calls instead of {program.n_calls}; "
                 "please report this as a bug of distop, with your jax version. "
                 "Problem(..., backend='io_callback') avoids the lean path.")
-        if self.calls >= _ffi.TOKEN_RESTART:
-            self.token, self.calls = jnp.zeros((), self.token.dtype), 0
+        if self.token_value >= _ffi.TOKEN_RESTART:
+            self.token, self.token_value = jnp.zeros((), self.token.dtype), 0

@@ -442,10 +442,10 @@ class Problem:
         **Raises:** `DerivativeCheckError` on every rank if `raise_on_error` and a block
         fails; what `compute_hvp` and `compute_totals` raise.
         """
-        def gradient_at(out: str, ins: tuple[str, ...],
+        def gradient_at(out: str, wrt: tuple[str, ...],
                         moved: dict[str, Any]) -> dict[str, np.ndarray]:
-            found = self.run_and_compute_totals([out], ins, inputs=moved)[1]
-            return {w: found[out, w][0] for w in ins}
+            found = self.run_and_compute_totals([out], wrt, inputs=moved)[1]
+            return {w: found[out, w][0] for w in wrt}
 
         return self._entries.check_hvp(
             self._point, of, wrt, directions, seed, step, atol, rtol, gradient_at,

@@ -534,7 +534,7 @@ def test_a_loop_over_uneven_and_empty_blocks_gives_what_the_calls_one_by_one_giv
         problem = distop.Problem(model, {"x": mine(xg)}, distributed={"x"})
         return problem, problem.run(), problem.compute_totals()
 
-    before = set(_ffi._calls)
+    before = set(_ffi._sites)
     problem, values, totals = make()
     assert loops_since(before)
     _, flat_values, flat_totals = without_loops(make)

@@ -247,7 +247,7 @@ def test_a_repeated_stretch_runs_as_one_loop_with_every_collective_once_in_order
     from distop._compiler.stages import loops
     from distop._hostcalls import ffi as _ffi
 
-    before = set(_ffi._calls)
+    before = set(_ffi._sites)
     problem = _chain_runs_every_collective_once_in_order(2 * loops.REPEATS + 3)
     assert loops_since(before)  # (its call sites live as long as the Problem)
     del problem

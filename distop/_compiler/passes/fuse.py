@@ -122,8 +122,8 @@ class AgreeRows(Pass[Agreeing, Agreeing | None]):
     def encode(self, proposal: Agreeing, sizes: tuple[int, ...]) -> np.ndarray:
         """**Returns:** the number of fused calls and minus it, then per fused call and
         member whether this rank did not propose it."""
-        calls, members = sizes
-        left_out = np.ones((calls, members), np.int64)
+        n_calls, members = sizes
+        left_out = np.ones((n_calls, members), np.int64)
         for i, agreeing in enumerate(proposal):
             left_out[i, list(agreeing)] = 0
         return np.concatenate([[len(proposal), -len(proposal)], left_out.ravel()])
@@ -246,25 +246,26 @@ def _nodes(jaxpr: Jaxpr, groups: list[list[int]], uses: dict[Var, int],
             continue
         if i != group[0]:
             continue
-        calls = [eqns[j] for j in group]
-        inputs, wiring, results, made = _wiring(calls)
+        call_eqns = [eqns[j] for j in group]
+        inputs, wiring, results, made = _wiring(call_eqns)
         # a result leaves the fused call unless only later calls of the group read it
         inner_reads: dict[Var, int] = {}
-        for e in calls:
+        for e in call_eqns:
             for v in variables(e.invars[1:]):
                 if v in made:
                     inner_reads[v] = inner_reads.get(v, 0) + 1
         returned = [k for k, v in enumerate(results)
                     if v in outside or uses.get(v, 0) > inner_reads.get(v, 0)]
-        call = FusedCall([e.params["call"] for e in calls], wiring, tuple(returned))
-        nodes.append((i, new_jaxpr_eqn([calls[0].invars[0]] + list(inputs),
-                                       [calls[-1].outvars[0]] + [results[k] for k in returned],
-                                       primitive, {"call": call}, calls[0].effects,
-                                       calls[0].source_info, calls[0].ctx)))
+        call = FusedCall([e.params["call"] for e in call_eqns], wiring, tuple(returned))
+        first, last = call_eqns[0], call_eqns[-1]
+        nodes.append((i, new_jaxpr_eqn([first.invars[0]] + list(inputs),
+                                       [last.outvars[0]] + [results[k] for k in returned],
+                                       primitive, {"call": call}, first.effects,
+                                       first.source_info, first.ctx)))
     return nodes
 
 
-def _wiring(calls: Sequence[JaxprEqn],
+def _wiring(call_eqns: Sequence[JaxprEqn],
             ) -> tuple[list[Var | Literal], Wiring, list[Var], dict[Var, int]]:
     """How the calls of one fused call read their arguments.
 
@@ -277,7 +278,7 @@ def _wiring(calls: Sequence[JaxprEqn],
     index: dict[Var, int] = {}
     wiring: list[tuple[tuple[bool, int], ...]] = []
     results: list[Var] = []
-    for e in calls:
+    for e in call_eqns:
         wires = []
         for v in e.invars[1:]:
             if isinstance(v, Var) and v in made:

@@ -63,11 +63,12 @@ class _Loop:
 
 
 class Rolled(NamedTuple):
-    """What `rolled` makes: the `program` with its loops, and the `calls` of their
-    bodies (`RolledCall`s) and of the calls reading their stacks (`UnstackedCall`s)."""
+    """What `rolled` makes: the `program` with its loops, and the `host_calls` of
+    their bodies (`RolledCall`s) and of the calls reading their stacks
+    (`UnstackedCall`s)."""
 
     program: ClosedJaxpr
-    calls: tuple[RolledCall | UnstackedCall, ...]
+    host_calls: tuple[RolledCall | UnstackedCall, ...]
 
 
 def rolled(closed_jaxpr: ClosedJaxpr, repeats: int | None = None) -> Rolled | None:
@@ -323,7 +324,7 @@ def _run_loop(eqns: Sequence[JaxprEqn], loop: _Loop, read: Callable[[Any], Any],
             xs.append((body_var, _stack(every, read, stacked)))
         outside[slot] = body_var
     index = Var(ShapedArray((), np.int32))
-    body_eqns, calls = [], []
+    body_eqns, host_calls = [], []
     for r, eqn in enumerate(block):
         invars = []
         for q, v in enumerate(eqn.invars):
@@ -333,7 +334,7 @@ def _run_loop(eqns: Sequence[JaxprEqn], loop: _Loop, read: Callable[[Any], Any],
         params = eqn.params
         if is_lean(eqn):
             call = RolledCall([eqns[start + j * k + r].params["call"] for j in range(m)])
-            calls.append(call)
+            host_calls.append(call)
             invars.insert(1, index)
             params = dict(params, call=call)
         body_eqns.append(new_jaxpr_eqn(invars, eqn.outvars, eqn.primitive, params,
@@ -363,7 +364,7 @@ def _run_loop(eqns: Sequence[JaxprEqn], loop: _Loop, read: Callable[[Any], Any],
             v = eqns[start + j * k + r].outvars[p]
             if v not in env:
                 stacked[v] = (array, j)
-    return calls
+    return host_calls
 
 
 def _stack(every: Sequence[Var], read: Callable[[Any], Any],

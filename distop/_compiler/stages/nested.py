@@ -204,7 +204,7 @@ def _info(n_in: int, n_out: int) -> DebugInfo:
     return DebugInfo("distop nested", "distop_nested", ("",) * n_in, ("",) * n_out)
 
 
-def calls(jaxpr: Jaxpr) -> list[HostCallable]:
+def host_calls(jaxpr: Jaxpr) -> list[HostCallable]:
     """**Returns:** the lean calls of `jaxpr` at any depth, each once, in program order."""
     found: dict[int, HostCallable] = {}
 

@@ -33,17 +33,17 @@ def segmented(closed_jaxpr: ClosedJaxpr,
     size = size or SEGMENT
     jaxpr = closed_jaxpr.jaxpr
     eqns = jaxpr.eqns
-    bounds, calls = [0], 0
+    bounds, count = [0], 0
     for i, eqn in enumerate(eqns):
         if is_lean(eqn):
-            calls += 1
-            if calls % size == 0:
+            count += 1
+            if count % size == 0:
                 bounds.append(i + 1)
         elif has_lean(eqn):
             # a loop (see loops.py) is a piece of its own, run as it is: every other
             # piece then starts with a call whose token comes from before the piece
             bounds.extend([i, i + 1][bounds[-1] == i:])
-    if calls <= size:
+    if count <= size:
         return None
     if bounds[-1] != len(eqns):
         bounds.append(len(eqns))

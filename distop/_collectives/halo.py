@@ -337,7 +337,7 @@ def _exchange(comm: Any, rows: np.ndarray, route: _Route, length: int,
     return out
 
 
-def _put(out: np.ndarray, where: np.ndarray, distinct: bool, rows: np.ndarray,
+def _put(out: np.ndarray, where: np.ndarray | slice, distinct: bool, rows: np.ndarray,
          add: bool) -> None:
     """Write (or, where `add`, add) `rows` at the places `where` of `out`; places that
     are not `distinct` receive the sum of their rows."""
@@ -346,4 +346,5 @@ def _put(out: np.ndarray, where: np.ndarray, distinct: bool, rows: np.ndarray,
     elif distinct:
         out[where] += rows
     else:
+        assert not isinstance(where, slice)  # (a slice's places are distinct)
         np.add.at(out, where, rows)

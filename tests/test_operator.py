@@ -1,5 +1,7 @@
 """DistributedOperator in a single process: transformations, batching, checks of user code."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,17 +218,23 @@ def test_methods_get_read_only_arguments(backend):
 
 @pytest.mark.parametrize("backend", ["lean", "io_callback"])
 def test_a_method_that_reshapes_its_views_in_place_gets_them_whole_each_step(backend):
+    def flatten(*views):
+        with warnings.catch_warnings():  # (NumPy 2.5 deprecates setting a shape)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for v in views:
+                v.shape = (6,)  # the view itself, not the array XLA holds
+
     class Flatten(distop.DistributedOperator):
         linear = True
 
         def forward(self, comm, x):
             assert x.shape == (2, 3), x.shape  # (each step, as declared)
-            x.shape = (6,)  # the view itself, not the array XLA holds
+            flatten(x)
             return (2.0 * x).reshape(2, 3)
 
         def vjp(self, comm, y_bar, x):
             assert y_bar.shape == (2, 3) and x.shape == (2, 3), (y_bar.shape, x.shape)
-            y_bar.shape = x.shape = (6,)
+            flatten(y_bar, x)
             return (2.0 * y_bar).reshape(2, 3)
 
     op = Flatten()
